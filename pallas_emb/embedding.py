@@ -1,0 +1,596 @@
+"""Row-sharded embedding tables: initialise, look up, update sparsely.
+
+The synchronous API. A `ShardedEmbedding` is static configuration (tables,
+features, mesh, axis, backend); the state is a dict of `TableState` pytrees.
+One step is
+
+    acts, res = emb.lookup(tables, ids)          # dict feature -> embeddings
+    g_acts = jax.grad(loss)(acts, ...)          # the model's backward
+    tables, metrics = emb.apply_gradients(tables, res, g_acts)
+
+The backward never builds a dense gradient of a table: per-token gradients are
+summed per unique id, routed to the owners of the rows and applied by the fused
+optimizer update, in place. Everything here works eagerly and inside
+`jax.jit`; the data and the table are sharded over the same mesh axis (each
+device holds a slice of the batch and a slice of every table).
+
+`lookup_shard` and `update_shard` are the per-table, per-device halves that the
+asynchronous API (`async_emb.py`) reuses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Mapping, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from pallas_emb import kernels, packing
+from pallas_emb.errors import InputError, SpecError
+from pallas_emb.spec import FeatureSpec, TableSpec
+from sharding.dedup import dedup
+from sharding.layout import ROW_ALIGNMENT, RowLayout
+from sharding.route import RoutePlan, from_owners, plan_route, to_owners
+
+# Rows generated per iteration at init: bounds the temporary to a chunk.
+_INIT_CHUNK_ROWS = 32768
+
+
+class TableState(NamedTuple):
+  """One table and its optimizer state (global arrays, rows sharded).
+
+  Attributes:
+    table: (num_shards * rows_per_shard, storage_width) float32, or uint32
+      words for bfloat16 (see `packing`). Physical row order of the layout.
+    slots: slot name -> (num_shards * rows_per_shard, width) float32 | int32.
+    step: () int32, updates applied so far (the step of schedules).
+  """
+
+  table: jax.Array
+  slots: dict[str, jax.Array]
+  step: jax.Array
+
+
+class TableResiduals(NamedTuple):
+  """What the update needs from the lookup (per-device pieces, concatenated).
+
+  Attributes:
+    unique_keys: (S * unique_capacity,) int32 physical rows per data shard.
+    inverse: (S * tokens_per_shard,) int32 slot in unique_keys, -1 = none.
+    weights: per feature of the table, (B, L) float32 combiner weight of
+      each id (0 for padding and invalid ids).
+    plan: the `RoutePlan` of every device.
+    num_invalid: (S,) int32 ids outside [0, num_rows), padding excluded.
+    num_overflow: (S,) int32 distinct ids over unique_capacity.
+  """
+
+  unique_keys: jax.Array
+  inverse: jax.Array
+  weights: jax.Array
+  plan: RoutePlan
+  num_invalid: jax.Array
+  num_overflow: jax.Array
+
+
+class TableMetrics(NamedTuple):
+  """Per-step metrics of one table (replicated scalars).
+
+  Attributes:
+    unique_ids: distinct valid ids routed this step (global).
+    invalid_ids: ids outside [0, num_rows), -1 padding excluded.
+    overflow_ids: distinct ids dropped for unique, route or owner capacity.
+    grad_norm: global L2 norm of the per-row summed gradients.
+    applied: False when the norm was not finite (or the gate was closed):
+      then table and slots are bit-for-bit unchanged.
+  """
+
+  unique_ids: jax.Array
+  invalid_ids: jax.Array
+  overflow_ids: jax.Array
+  grad_norm: jax.Array
+  applied: jax.Array
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+@dataclasses.dataclass(frozen=True)
+class Capacities:
+  """Static buffer sizes of one table for one batch shape (multiples of 8).
+
+  Attributes:
+    unique: distinct ids per data shard.
+    route: ids one data shard sends to one owner.
+    owner: distinct rows one owner merges.
+  """
+
+  unique: int
+  route: int
+  owner: int
+
+  @classmethod
+  def for_table(cls, spec: TableSpec, layout: RowLayout,
+                tokens_per_shard: int) -> "Capacities":
+    """Capacities from the spec; None fields become exact (never overflow)."""
+    rps = layout.rows_per_shard
+    unique = min(spec.unique_capacity or tokens_per_shard, spec.num_rows)
+    unique = _round_up(max(unique, 1), ROW_ALIGNMENT)
+    route = min(spec.route_capacity or unique, unique, rps)
+    route = _round_up(route, ROW_ALIGNMENT)
+    owner = min(layout.num_shards * route, rps)
+    return cls(unique=unique, route=route, owner=owner)
+
+
+@dataclasses.dataclass(frozen=True)
+class TableRouting:
+  """Static per-table context of the shard-level functions."""
+
+  spec: TableSpec
+  layout: RowLayout
+  capacities: Capacities
+  axis: str
+  backend: str
+
+  @property
+  def num_shards(self) -> int:
+    return self.layout.num_shards
+
+
+def lookup_shard(r: TableRouting, table: jax.Array, ids: jax.Array):
+  """One device's lookup of one table (inside `shard_map`).
+
+  Args:
+    r: static routing.
+    table: (rows_per_shard, storage_width) this device's row shard.
+    ids: (n,) int32 this data shard's ids of every feature of the table.
+
+  Returns:
+    (rows, residuals): (n, dim) float32 row per id (zero for padding, invalid
+    and overflowed ids), and the `TableResiduals` pieces of this device
+    (`weights` left for the caller, who knows the features, to fill).
+  """
+  caps = r.capacities
+  unique = dedup(ids, r.layout, caps.unique)
+  plan = plan_route(unique.keys, rows_per_shard=r.layout.rows_per_shard,
+                    num_shards=r.num_shards, route_capacity=caps.route,
+                    owner_capacity=caps.owner, axis_name=r.axis)
+  owner_rows = kernels.gather(table, plan.owner_rows, dtype=r.spec.dtype,
+                              backend=r.backend)
+  unique_rows = from_owners(plan, owner_rows, axis_name=r.axis)
+  rows = jnp.take(unique_rows, jnp.where(unique.inverse < 0, caps.unique,
+                                         unique.inverse),
+                  axis=0, mode="fill", fill_value=0)
+  residuals = TableResiduals(
+      unique_keys=unique.keys, inverse=unique.inverse,
+      weights=(),
+      plan=plan._replace(num_owner_unique=plan.num_owner_unique[None],
+                         num_overflow=plan.num_overflow[None]),
+      num_invalid=unique.num_invalid[None],
+      num_overflow=unique.num_overflow[None])
+  return rows, residuals
+
+
+def update_shard(r: TableRouting, table, slots, step, res: TableResiduals,
+                 token_grads: jax.Array, gate: jax.Array):
+  """One device's sparse update of one table (inside `shard_map`).
+
+  Args:
+    r: static routing.
+    table, slots: this device's row shard of the table and its slots.
+    step: () int32 updates applied so far.
+    res: this device's `TableResiduals`.
+    token_grads: (n, dim) float32 gradient per id (already weighted).
+    gate: bool scalar; False skips the update (e.g. an empty async update).
+
+  Returns:
+    (table, slots, step, TableMetrics).
+  """
+  caps = r.capacities
+  unique_grads = jax.ops.segment_sum(
+      token_grads, jnp.where(res.inverse < 0, caps.unique, res.inverse),
+      num_segments=caps.unique)
+  owner_grads = to_owners(res.plan, unique_grads, axis_name=r.axis)
+  norm = jnp.sqrt(jax.lax.psum(jnp.sum(owner_grads * owner_grads), r.axis))
+  apply = jnp.isfinite(norm) & gate
+  table, slots = kernels.fused_update(
+      table, slots, res.plan.owner_rows, owner_grads,
+      r.spec.optimizer.scalars(step), apply, optimizer=r.spec.optimizer,
+      dtype=r.spec.dtype, backend=r.backend)
+  psum = lambda x: jax.lax.psum(jnp.sum(x), r.axis)
+  metrics = TableMetrics(
+      unique_ids=psum(res.plan.num_owner_unique),
+      invalid_ids=psum(res.num_invalid),
+      overflow_ids=psum(res.num_overflow) + psum(res.plan.num_overflow),
+      grad_norm=norm, applied=apply)
+  return table, slots, step + apply.astype(jnp.int32), metrics
+
+
+def _place(emb: "ShardedEmbedding", tree, rows: bool = True):
+  """Puts a pytree on the mesh row-sharded (or replicated) inside jit.
+
+  `shard_map` requires its inputs to carry the matching sharding already;
+  meshes with Explicit axes (the default of `jax.make_mesh`) need `reshard`,
+  Auto axes a sharding constraint.
+  """
+  sharding = emb.sharding(rows=rows)
+  axis_type = emb.mesh.axis_types[emb.mesh.axis_names.index(emb.axis)]
+  if axis_type == jax.sharding.AxisType.Explicit:
+    return jax.tree.map(lambda x: jax.reshard(x, sharding), tree)
+  return jax.lax.with_sharding_constraint(tree, sharding)
+
+
+def _combine(rows: jax.Array, valid: jax.Array, combiner):
+  """(b, L, D) rows and (b, L) validity -> output and per-token weights."""
+  weights = valid.astype(jnp.float32)
+  if combiner is None:
+    return rows, weights
+  count = jnp.maximum(jnp.sum(weights, axis=1, keepdims=True), 1.0)
+  if combiner == "mean":
+    weights = weights / count
+  elif combiner == "sqrtn":
+    weights = weights * jax.lax.rsqrt(count)
+  return jnp.sum(rows * weights[..., None], axis=1), weights
+
+
+def _expand_grads(grads: jax.Array, weights: jax.Array, combiner):
+  """Output gradient -> (b * L, D) per-token gradient."""
+  if combiner is None:
+    token = grads.astype(jnp.float32) * weights[..., None]
+  else:
+    token = grads.astype(jnp.float32)[:, None, :] * weights[..., None]
+  return token.reshape(-1, token.shape[-1])
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedEmbedding:
+  """Tables row-sharded over one mesh axis, and the features that read them.
+
+  Attributes:
+    tables: the `TableSpec`s (unique names).
+    features: the `FeatureSpec`s (unique names, each naming a table).
+    mesh: the device mesh. The batch and every table are sharded over `axis`;
+      other mesh axes (if any) hold replicas.
+    axis: the mesh axis name tables and data are sharded over.
+    backend: "pallas", "interpret", "xla" or None (by platform).
+  """
+
+  tables: Sequence[TableSpec]
+  features: Sequence[FeatureSpec]
+  mesh: Mesh
+  axis: str = "x"
+  backend: str | None = None
+
+  def __post_init__(self):
+    object.__setattr__(self, "tables", tuple(self.tables))
+    object.__setattr__(self, "features", tuple(self.features))
+    for t in self.tables:
+      if not isinstance(t, TableSpec):
+        raise SpecError(f"tables must be TableSpecs, got {t!r}.")
+    for f in self.features:
+      if not isinstance(f, FeatureSpec):
+        raise SpecError(f"features must be FeatureSpecs, got {f!r}.")
+    names = [t.name for t in self.tables]
+    if len(set(names)) != len(names):
+      raise SpecError(f"table names must be unique, got {names}.")
+    fnames = [f.name for f in self.features]
+    if len(set(fnames)) != len(fnames):
+      raise SpecError(f"feature names must be unique, got {fnames}.")
+    for f in self.features:
+      if f.table not in names:
+        raise SpecError(
+            f"feature {f.name!r} reads table {f.table!r}, which is not among "
+            f"the tables {names}; add a TableSpec named {f.table!r}.")
+    if not isinstance(self.mesh, Mesh):
+      raise SpecError(f"mesh must be a jax.sharding.Mesh, got {self.mesh!r}.")
+    if self.axis not in self.mesh.axis_names:
+      raise SpecError(
+          f"axis {self.axis!r} is not an axis of the mesh, whose axes are "
+          f"{self.mesh.axis_names}; pass one of them as axis=.")
+    object.__setattr__(self, "backend", kernels.resolve_backend(self.backend))
+
+  # -- static helpers ---------------------------------------------------------
+
+  @property
+  def num_shards(self) -> int:
+    return self.mesh.shape[self.axis]
+
+  def table_spec(self, name: str) -> TableSpec:
+    for t in self.tables:
+      if t.name == name:
+        return t
+    raise InputError(f"unknown table {name!r}; the tables are "
+                     f"{[t.name for t in self.tables]}.")
+
+  def layout(self, name: str) -> RowLayout:
+    spec = self.table_spec(name)
+    return RowLayout(spec.num_rows, self.num_shards, spec.layout)
+
+  def features_of(self, table: str) -> tuple[FeatureSpec, ...]:
+    return tuple(f for f in self.features if f.table == table)
+
+  def routing(self, name: str, tokens_per_shard: int) -> TableRouting:
+    """The static routing of table `name` for `tokens_per_shard` ids."""
+    spec = self.table_spec(name)
+    layout = self.layout(name)
+    return TableRouting(spec, layout,
+                        Capacities.for_table(spec, layout, tokens_per_shard),
+                        self.axis, self.backend)
+
+  def sharding(self, *, rows: bool = True) -> NamedSharding:
+    """Row-sharded (or replicated) placement on the mesh."""
+    return NamedSharding(self.mesh, P(self.axis) if rows else P())
+
+  def check_ids(self, ids: Mapping[str, jax.Array]) -> dict[str, int]:
+    """Validates the ids of every feature; returns tokens per shard by table."""
+    if not isinstance(ids, Mapping):
+      raise InputError(f"ids must be a dict feature name -> (B, L) int32 "
+                       f"array, got {type(ids).__name__}.")
+    known = {f.name for f in self.features}
+    unknown = sorted(set(ids) - known)
+    if unknown:
+      raise InputError(f"ids for unknown features {unknown}; the features are "
+                       f"{sorted(known)}.")
+    tokens: dict[str, int] = {}
+    for f in self.features:
+      if f.name not in ids:
+        raise InputError(f"ids are missing feature {f.name!r}.")
+      x = ids[f.name]
+      dtype = np.dtype(getattr(x, "dtype", type(x)))
+      if dtype != np.int32:
+        raise InputError(
+            f"ids of feature {f.name!r} must be int32, got {dtype}; cast with "
+            ".astype(np.int32) (ids >= 2**31 cannot address a row).")
+      if np.ndim(x) != 2:
+        raise InputError(
+            f"ids of feature {f.name!r} must have shape (batch, bag_size), "
+            f"got {np.shape(x)}; reshape a single id per example to (B, 1).")
+      batch, bag = np.shape(x)
+      if batch % self.num_shards:
+        raise InputError(
+            f"batch size {batch} of feature {f.name!r} is not divisible by "
+            f"the {self.num_shards} shards of mesh axis {self.axis!r}; use a "
+            f"multiple of {self.num_shards}.")
+      tokens[f.table] = tokens.get(f.table, 0) + batch // self.num_shards * bag
+    return tokens
+
+  def _check_state(self, tables: Mapping[str, TableState], names) -> None:
+    if not isinstance(tables, Mapping):
+      raise InputError(f"tables must be a dict name -> TableState, got "
+                       f"{type(tables).__name__}.")
+    for name in names:
+      if name not in tables:
+        raise InputError(f"tables are missing {name!r}; pass the dict "
+                         "returned by init().")
+      spec, layout = self.table_spec(name), self.layout(name)
+      expected = (layout.num_physical_rows,
+                  packing.storage_width(spec.dim, spec.dtype))
+      got = tables[name].table
+      if tuple(got.shape) != expected or got.dtype != packing.storage_dtype(spec.dtype):
+        raise InputError(
+            f"table {name!r} has {got.dtype}{list(got.shape)}, but its spec "
+            f"(dim={spec.dim}, dtype={spec.dtype}) over {self.num_shards} "
+            f"shards stores {packing.storage_dtype(spec.dtype)}{list(expected)};"
+            " build the state with this ShardedEmbedding's init() or "
+            "state_from_logical().")
+
+  # -- state --------------------------------------------------------------
+
+  def init(self, key: jax.Array) -> dict[str, TableState]:
+    """Initial tables and slots, each device generating only its own rows.
+
+    Args:
+      key: a PRNG key; table i uses `fold_in(key, i)`, row r of it
+        `fold_in(fold_in(key, i), r)`.
+    """
+    return _init(self, key)
+
+  def state_from_logical(self, name: str, table, slots=None,
+                         step=0) -> TableState:
+    """Builds a `TableState` from host arrays in logical row order.
+
+    Args:
+      name: the table.
+      table: (num_rows, dim) values (cast to the table dtype).
+      slots: slot name -> (num_rows, width), or None for initial slots.
+      step: updates applied so far.
+    """
+    spec, layout = self.table_spec(name), self.layout(name)
+    table = np.asarray(table)
+    if table.shape != (spec.num_rows, spec.dim):
+      raise InputError(f"table {name!r} must have shape "
+                       f"{(spec.num_rows, spec.dim)}, got {table.shape}.")
+    put = lambda x: jax.device_put(layout.to_physical(x), self.sharding())
+    specs = spec.optimizer.slot_specs()
+    slots = dict(slots or {})
+    unknown = sorted(set(slots) - set(specs))
+    if unknown:
+      raise InputError(f"table {name!r} has no slots {unknown}; its optimizer "
+                       f"keeps {sorted(specs)}.")
+    out = {}
+    for k, s in specs.items():
+      width = spec.dim if s.width is None else s.width
+      value = slots.get(k)
+      if value is None:
+        value = np.full((spec.num_rows, width), s.init, s.dtype)
+      out[k] = put(np.asarray(value, s.dtype).reshape(spec.num_rows, width))
+    return TableState(put(packing.to_storage(table, spec.dtype)), out,
+                      jax.device_put(jnp.asarray(step, jnp.int32),
+                                     self.sharding(rows=False)))
+
+  def logical_table(self, tables: Mapping[str, TableState], name: str) -> np.ndarray:
+    """(num_rows, dim) host copy of a table in logical row order."""
+    spec = self.table_spec(name)
+    physical = np.asarray(jax.device_get(tables[name].table))
+    return packing.from_storage(self.layout(name).to_logical(physical), spec.dtype)
+
+  def logical_slots(self, tables: Mapping[str, TableState], name: str) -> dict[str, np.ndarray]:
+    """Slot name -> (num_rows, width) host copy in logical row order."""
+    layout = self.layout(name)
+    return {k: layout.to_logical(np.asarray(jax.device_get(v)))
+            for k, v in tables[name].slots.items()}
+
+  # -- the step ---------------------------------------------------------------
+
+  def lookup(self, tables: Mapping[str, TableState],
+             ids: Mapping[str, jax.Array]):
+    """Embeddings of every feature.
+
+    Args:
+      tables: name -> `TableState`.
+      ids: feature name -> (B, L) int32, B divisible by the number of shards.
+        -1 is padding; other ids outside [0, num_rows) are invalid (zero row,
+        counted).
+
+    Returns:
+      (acts, residuals): feature -> (B, dim) float32 (pooled) or (B, L, dim)
+      (sequence); table name -> `TableResiduals` for `apply_gradients`.
+    """
+    tokens = self.check_ids(ids)
+    self._check_state(tables, tokens)
+    return _lookup(self, {k: tables[k].table for k in tokens}, dict(ids))
+
+  def apply_gradients(self, tables: Mapping[str, TableState],
+                      residuals: Mapping[str, TableResiduals],
+                      grads: Mapping[str, jax.Array], gate=True):
+    """Sparse, fused optimizer update of every looked-up table, in place.
+
+    `tables` is donated: its buffers are reused for the result.
+
+    Args:
+      tables: name -> `TableState`.
+      residuals: the second result of `lookup`.
+      grads: feature -> gradient of the loss w.r.t. that feature's output.
+      gate: bool scalar; False skips every update (metrics still computed).
+
+    Returns:
+      (tables, metrics): the updated states and table name -> `TableMetrics`.
+    """
+    self._check_state(tables, residuals)
+    for name in residuals:
+      for f in self.features_of(name):
+        if f.name not in grads:
+          raise InputError(f"grads are missing feature {f.name!r}.")
+        g = grads[f.name]
+        if g.ndim != (3 if f.combiner is None else 2) or g.shape[-1] != self.table_spec(name).dim:
+          raise InputError(
+              f"gradient of feature {f.name!r} has shape {g.shape}; expected "
+              f"(B, {'L, ' if f.combiner is None else ''}"
+              f"{self.table_spec(name).dim}) like its lookup output.")
+    return _apply_gradients(self, dict(tables), dict(residuals), dict(grads),
+                            jnp.asarray(gate, jnp.bool_))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _init(emb: ShardedEmbedding, key):
+  out = {}
+  for i, spec in enumerate(emb.tables):
+    layout = emb.layout(spec.name)
+    table_key = jax.random.fold_in(key, i)
+
+    def shard_fn(k, spec=spec, layout=layout):
+      shard = jax.lax.axis_index(emb.axis)
+      table = _init_rows(spec, layout, k, shard)
+      slots = {}
+      for name, s in spec.optimizer.slot_specs().items():
+        width = spec.dim if s.width is None else s.width
+        slots[name] = jnp.full((layout.rows_per_shard, width), s.init, s.dtype)
+      return table, slots
+
+    table, slots = jax.shard_map(
+        shard_fn, mesh=emb.mesh, in_specs=P(), out_specs=P(emb.axis),
+        check_vma=False)(_place(emb, table_key, rows=False))
+    out[spec.name] = TableState(table, slots, jnp.zeros((), jnp.int32))
+  return out
+
+
+def _init_rows(spec: TableSpec, layout: RowLayout, key, shard):
+  """This shard's stored rows, generated a chunk at a time."""
+  rps = layout.rows_per_shard
+  width = packing.storage_width(spec.dim, spec.dtype)
+
+  def generate(start, size):
+    logical = layout.logical_of(shard * rps + start + jnp.arange(size))
+    keys = jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.maximum(logical, 0))
+    rows = jax.vmap(lambda k: spec.initializer(k, (spec.dim,), jnp.float32))(keys)
+    rows = jnp.where(logical[:, None] >= 0, rows.astype(jnp.float32), 0.0)
+    return packing.pack_rows(rows, spec.dtype)
+
+  if rps <= _INIT_CHUNK_ROWS:
+    return generate(0, rps)
+  full, rest = divmod(rps, _INIT_CHUNK_ROWS)
+  table = jnp.zeros((rps, width), packing.storage_dtype(spec.dtype))
+  table = jax.lax.fori_loop(
+      0, full, lambda i, t: jax.lax.dynamic_update_slice(
+          t, generate(i * _INIT_CHUNK_ROWS, _INIT_CHUNK_ROWS),
+          (i * _INIT_CHUNK_ROWS, 0)), table)
+  if rest:
+    table = jax.lax.dynamic_update_slice(
+        table, generate(full * _INIT_CHUNK_ROWS, rest),
+        (full * _INIT_CHUNK_ROWS, 0))
+  return table
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _lookup(emb: ShardedEmbedding, tables, ids):
+  acts, residuals = {}, {}
+  tokens = emb.check_ids(ids)
+  for name, n in tokens.items():
+    feats = emb.features_of(name)
+    routing = emb.routing(name, n)
+
+    def shard_fn(table, *feature_ids, feats=feats, routing=routing):
+      flat = jnp.concatenate([x.reshape(-1) for x in feature_ids])
+      rows, res = lookup_shard(routing, table, flat)
+      outs, weights, start = [], [], 0
+      for f, x in zip(feats, feature_ids):
+        valid = (x >= 0) & (x < routing.spec.num_rows)
+        out, w = _combine(rows[start:start + x.size].reshape(*x.shape, -1),
+                          valid, f.combiner)
+        outs.append(out)
+        weights.append(w)
+        start += x.size
+      return tuple(outs), res._replace(weights=tuple(weights))
+
+    outs, res = jax.shard_map(
+        shard_fn, mesh=emb.mesh, in_specs=P(emb.axis),
+        out_specs=P(emb.axis), check_vma=False)(
+            *_place(emb, (tables[name], *[ids[f.name] for f in feats])))
+    acts.update({f.name: o for f, o in zip(feats, outs)})
+    residuals[name] = res
+  return acts, residuals
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+def _apply_gradients(emb: ShardedEmbedding, tables, residuals, grads, gate):
+  tables = dict(tables)
+  metrics = {}
+  for name, res in residuals.items():
+    feats = emb.features_of(name)
+    n = res.inverse.shape[0] // emb.num_shards
+    routing = emb.routing(name, n)
+
+    def shard_fn(table, slots, step, res, gate, *feature_grads, feats=feats,
+                 routing=routing):
+      token_grads = jnp.concatenate([
+          _expand_grads(g, w, f.combiner)
+          for f, g, w in zip(feats, feature_grads, res.weights)])
+      return update_shard(routing, table, slots, step, res, token_grads, gate)
+
+    state = tables[name]
+    table, slots, step, m = jax.shard_map(
+        shard_fn, mesh=emb.mesh,
+        in_specs=(P(emb.axis), P(emb.axis), P(), P(emb.axis), P())
+        + (P(emb.axis),) * len(feats),
+        out_specs=(P(emb.axis), P(emb.axis), P(), P()), check_vma=False)(
+            *_place(emb, (state.table, state.slots)),
+            _place(emb, state.step, rows=False), _place(emb, res),
+            _place(emb, gate, rows=False),
+            *_place(emb, tuple(grads[f.name] for f in feats)))
+    tables[name] = TableState(table, slots, step)
+    metrics[name] = m
+  return tables, metrics

@@ -1,0 +1,73 @@
+"""The gather and the fused update in plain XLA.
+
+The oracle for the Pallas kernels and the fast path off TPU. Both functions
+work on one device's row shard and call the optimizer's `update_rows`, like
+the kernels do.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from pallas_emb import packing
+from pallas_emb.optimizers.base import EmbeddingOptimizer
+
+
+def _out_of_bounds(rows: jax.Array, size: int, keep: jax.Array) -> jax.Array:
+  # An index past the end makes gathers fill and scatters drop.
+  return jnp.where(keep & (rows >= 0), rows, size)
+
+
+def gather(table: jax.Array, rows: jax.Array, *, dtype) -> jax.Array:
+  """Reads rows of a stored table.
+
+  Args:
+    table: (R, W) stored rows (float32, or uint32 words for bfloat16).
+    rows: (C,) int32 local row ids, -1 for padding.
+    dtype: the table's logical dtype.
+
+  Returns:
+    (C, dim) float32, zero rows for padding.
+  """
+  idx = _out_of_bounds(rows, table.shape[0], True)
+  words = jnp.take(table, idx, axis=0, mode="fill", fill_value=0)
+  return packing.unpack_rows(words, dtype)
+
+
+def fused_update(
+    table: jax.Array,
+    slots: Mapping[str, jax.Array],
+    rows: jax.Array,
+    grads: jax.Array,
+    scalars: NamedTuple,
+    apply: jax.Array,
+    *,
+    optimizer: EmbeddingOptimizer,
+    dtype,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Applies `optimizer` to the listed rows, in place when donated.
+
+  Args:
+    table: (R, W) stored rows.
+    slots: name -> (R, width) optimizer state.
+    rows: (C,) int32 distinct local row ids, -1 for padding.
+    grads: (C, dim) float32 summed gradient per row.
+    scalars: `optimizer.scalars(step)`.
+    apply: bool scalar; when False nothing is written.
+    optimizer: supplies `update_rows`.
+    dtype: the table's logical dtype.
+
+  Returns:
+    (table, slots) with only the listed rows changed.
+  """
+  idx = _out_of_bounds(rows, table.shape[0], apply)
+  take = lambda x: jnp.take(x, idx, axis=0, mode="fill", fill_value=0)
+  new_rows, new_slots = optimizer.update_rows(
+      packing.unpack_rows(take(table), dtype),
+      {k: take(v) for k, v in slots.items()}, grads, scalars)
+  put = lambda x, v: x.at[idx].set(v.astype(x.dtype), mode="drop")
+  table = put(table, packing.pack_rows(new_rows, dtype))
+  return table, {k: put(v, new_slots[k]) for k, v in slots.items()}

@@ -1,0 +1,52 @@
+"""Element-wise Adagrad on the rows of the batch, with optax's exact formula."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from pallas_emb.optimizers.base import (
+    LearningRate, SlotSpec, check_learning_rate, check_range, learning_rate_at)
+
+
+class AdagradScalars(NamedTuple):
+  learning_rate: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Adagrad:
+  """Adagrad with one accumulator per element (slot `acc`, (rows, dim)).
+
+  `acc += g**2; row -= lr * g * rsqrt(acc + eps)` (0 where acc == 0), the
+  formula of `optax.adagrad`, so a sparse step equals optax's dense step on
+  every row: rows outside the batch have g == 0 and would not move anyway.
+
+  Attributes:
+    learning_rate: float >= 0 or a schedule of the step.
+    initial_accumulator_value: >= 0 (optax's default 0.1).
+    eps: > 0 (optax's default 1e-7).
+  """
+
+  learning_rate: LearningRate = 0.1
+  initial_accumulator_value: float = 0.1
+  eps: float = 1e-7
+
+  def __post_init__(self):
+    check_learning_rate("Adagrad", self.learning_rate)
+    check_range("Adagrad", "initial_accumulator_value",
+                self.initial_accumulator_value, 0.0, float("inf"))
+    check_range("Adagrad", "eps", self.eps, 0.0, float("inf"), lo_open=True)
+
+  def slot_specs(self):
+    return {"acc": SlotSpec(width=None, init=self.initial_accumulator_value)}
+
+  def scalars(self, step) -> AdagradScalars:
+    return AdagradScalars(learning_rate_at(self.learning_rate, step))
+
+  def update_rows(self, rows, slots, grads, scalars: AdagradScalars):
+    acc = slots["acc"] + grads * grads
+    scale = jnp.where(acc > 0, jax.lax.rsqrt(acc + self.eps), 0.0)
+    return rows + (grads * scale) * (-scalars.learning_rate), {"acc": acc}

@@ -1,0 +1,69 @@
+"""Adam applied lazily: only rows in the batch move, with a per-row step count.
+
+For a touched row with summed gradient g and per-row count t (after += 1):
+
+    m = b1 * m + (1 - b1) * g;   v = b2 * v + (1 - b2) * g ** 2
+    row -= lr * (m / (1 - b1 ** t)) / (sqrt(v / (1 - b2 ** t)) + eps)
+
+Rows absent from a batch keep m, v and t: the bias correction uses the row's
+own count, so a rare row is not under-corrected (unlike a global count).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_emb.optimizers.base import (
+    LearningRate, SlotSpec, check_learning_rate, check_range, learning_rate_at)
+
+
+class AdamScalars(NamedTuple):
+  learning_rate: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class LazyAdam:
+  """Row-lazy Adam (slots `m`, `v`: (rows, dim); `count`: (rows, 1) int32).
+
+  Attributes:
+    learning_rate: float >= 0 or a schedule of the step.
+    b1, b2: moment decays in [0, 1).
+    eps: > 0.
+  """
+
+  learning_rate: LearningRate = 1e-3
+  b1: float = 0.9
+  b2: float = 0.999
+  eps: float = 1e-8
+
+  def __post_init__(self):
+    name = type(self).__name__
+    check_learning_rate(name, self.learning_rate)
+    check_range(name, "b1", self.b1, 0.0, 1.0, hi_open=True)
+    check_range(name, "b2", self.b2, 0.0, 1.0, hi_open=True)
+    check_range(name, "eps", self.eps, 0.0, math.inf, lo_open=True)
+
+  def slot_specs(self):
+    return {"m": SlotSpec(width=None), "v": SlotSpec(width=None),
+            "count": SlotSpec(width=1, dtype=np.int32, init=0)}
+
+  def scalars(self, step) -> AdamScalars:
+    return AdamScalars(learning_rate_at(self.learning_rate, step))
+
+  def update_rows(self, rows, slots, grads, scalars: AdamScalars):
+    count = slots["count"] + 1
+    t = count.astype(jnp.float32)
+    b1, b2 = np.float32(self.b1), np.float32(self.b2)
+    m = b1 * slots["m"] + (1 - b1) * grads
+    v = b2 * slots["v"] + (1 - b2) * (grads * grads)
+    # b ** t as exp(t * log b): a vector power that lowers on TPU.
+    correction1 = 1 - jnp.exp(t * np.float32(math.log(self.b1))) if self.b1 else 1
+    correction2 = 1 - jnp.exp(t * np.float32(math.log(self.b2))) if self.b2 else 1
+    update = (m / correction1) / (jnp.sqrt(v / correction2) + np.float32(self.eps))
+    return rows - scalars.learning_rate * update, {"m": m, "v": v, "count": count}

@@ -1,0 +1,95 @@
+"""What an embedding optimizer is: its slots, its per-step scalars, its math.
+
+An optimizer here is a frozen dataclass of hyperparameters with three methods:
+
+* `slot_specs()` — the per-row state it keeps next to the table, by name;
+* `scalars(step)` — the step's scalar hyperparameters (learning rate from a
+  schedule, the step itself...) evaluated *outside* any kernel, as a NamedTuple
+  of float32 scalars;
+* `update_rows(rows, slots, grads, scalars)` — ONE pure function on a block of
+  rows. The Pallas kernel calls it on VMEM values and the XLA path on gathered
+  rows, so a new optimizer never needs a new kernel.
+
+`update_rows` sees only rows that are in the batch (a lazy, sparse update):
+rows, grads and width-`dim` slots are (C, dim) float32, scalar-per-row slots
+are (C, 1). It must be elementwise across rows (no mixing between rows), may
+reduce within a row, and must return arrays of the shapes and dtypes it got.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping, NamedTuple, Protocol, Union, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_emb.errors import SpecError
+
+# A float, or an optax-style schedule: step (int32 scalar) -> learning rate.
+LearningRate = Union[float, Callable[[jax.Array], jax.Array]]
+Slots = Mapping[str, jax.Array]
+
+
+class SlotSpec(NamedTuple):
+  """One per-row optimizer state array.
+
+  Attributes:
+    width: columns per row; None means the table's `dim`.
+    dtype: float32 or int32 (slots move as 32-bit words).
+    init: initial value of every element.
+  """
+
+  width: int | None = None
+  dtype: Any = np.float32
+  init: float = 0.0
+
+
+@runtime_checkable
+class EmbeddingOptimizer(Protocol):
+  """The structural interface every embedding optimizer implements."""
+
+  def slot_specs(self) -> Mapping[str, SlotSpec]:
+    ...
+
+  def scalars(self, step: jax.Array) -> NamedTuple:
+    ...
+
+  def update_rows(self, rows: jax.Array, slots: Slots, grads: jax.Array,
+                  scalars: NamedTuple) -> tuple[jax.Array, dict[str, jax.Array]]:
+    ...
+
+
+def check_learning_rate(owner: str, lr: LearningRate) -> None:
+  """Accepts a finite float >= 0 or a callable schedule of the step."""
+  if callable(lr):
+    return
+  if isinstance(lr, bool) or not isinstance(lr, (int, float, np.floating)):
+    raise SpecError(
+        f"{owner}: learning_rate must be a float or an optax schedule "
+        f"(step -> lr), got {lr!r} of type {type(lr).__name__}.")
+  if not math.isfinite(lr) or lr < 0:
+    raise SpecError(
+        f"{owner}: learning_rate must be finite and >= 0, got {lr!r}.")
+
+
+def check_range(owner: str, name: str, value, lo: float, hi: float, *,
+                lo_open: bool = False, hi_open: bool = False) -> None:
+  """Checks that a hyperparameter is finite and lo <(=) value <(=) hi."""
+  if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)):
+    raise SpecError(f"{owner}: {name} must be a float, got {value!r}.")
+  ok = math.isfinite(value)
+  ok = ok and (value > lo if lo_open else value >= lo)
+  ok = ok and (value < hi if hi_open else value <= hi)
+  if not ok:
+    lo_s = "(" if lo_open else "["
+    hi_s = ")" if hi_open else "]"
+    raise SpecError(
+        f"{owner}: {name} must be in {lo_s}{lo}, {hi}{hi_s}, got {value!r}.")
+
+
+def learning_rate_at(lr: LearningRate, step: jax.Array) -> jax.Array:
+  """The learning rate at `step` as a float32 scalar."""
+  value = lr(step) if callable(lr) else lr
+  return jnp.asarray(value, jnp.float32)

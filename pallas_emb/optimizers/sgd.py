@@ -1,0 +1,37 @@
+"""Plain SGD on the rows of the batch: row -= lr * g."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+
+from pallas_emb.optimizers.base import LearningRate, check_learning_rate, learning_rate_at
+
+
+class SGDScalars(NamedTuple):
+  learning_rate: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class SGD:
+  """Stochastic gradient descent; no slots. Matches `optax.sgd(lr)` bitwise.
+
+  Attributes:
+    learning_rate: float >= 0 or a schedule of the step.
+  """
+
+  learning_rate: LearningRate = 0.01
+
+  def __post_init__(self):
+    check_learning_rate("SGD", self.learning_rate)
+
+  def slot_specs(self):
+    return {}
+
+  def scalars(self, step) -> SGDScalars:
+    return SGDScalars(learning_rate_at(self.learning_rate, step))
+
+  def update_rows(self, rows, slots, grads, scalars: SGDScalars):
+    return rows + grads * (-scalars.learning_rate), dict(slots)

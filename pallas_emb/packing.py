@@ -1,0 +1,75 @@
+"""How table rows are stored: float32 as is, bfloat16 as packed 32-bit words.
+
+A lone bfloat16 row is not a legal DMA on TPU, whose HBM tiles pack two
+bfloat16 *rows* into each 32-bit sublane word. Reinterpreting a (V, D) bf16
+array as words at every step would relayout the whole table, so bf16 tables are
+*stored* as (V, D/2) uint32 from the start: word k of a row holds column k in
+its low half and column k + D/2 in its high half. Unpacking a block of rows is
+then two shifts and one concatenation, with columns in their natural order.
+
+All conversions use only 32-bit integer ops and bitcasts, so the XLA path and
+the Pallas kernels round identically (round-to-nearest-even, quiet NaN).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
+
+
+def storage_dtype(dtype) -> np.dtype:
+  """The element type of the stored table for a logical row dtype."""
+  return np.dtype(np.uint32) if np.dtype(dtype) == jnp.bfloat16 else np.dtype(np.float32)
+
+
+def storage_width(dim: int, dtype) -> int:
+  """Stored words per row for a row of `dim` elements of `dtype`."""
+  return dim // 2 if np.dtype(dtype) == jnp.bfloat16 else dim
+
+
+def unpack_rows(words: jax.Array, dtype) -> jax.Array:
+  """(C, storage_width) stored rows -> (C, dim) float32."""
+  if np.dtype(dtype) != jnp.bfloat16:
+    return words.astype(jnp.float32)
+  lo = jax.lax.bitcast_convert_type(words << 16, jnp.float32)
+  hi = jax.lax.bitcast_convert_type(words & jnp.uint32(0xFFFF0000), jnp.float32)
+  return jnp.concatenate([lo, hi], axis=-1)
+
+
+def _bf16_bits(x: jax.Array) -> jax.Array:
+  """float32 -> bfloat16 bit pattern in the low 16 bits of a uint32 (RNE)."""
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  rounded = (bits + jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1))) >> 16
+  is_nan = (bits & jnp.uint32(0x7FFFFFFF)) > jnp.uint32(0x7F800000)
+  return jnp.where(is_nan, (bits >> 16) | jnp.uint32(0x0040), rounded)
+
+
+def pack_rows(rows: jax.Array, dtype) -> jax.Array:
+  """(C, dim) float32 -> (C, storage_width) stored rows of `dtype`."""
+  if np.dtype(dtype) != jnp.bfloat16:
+    return rows.astype(jnp.float32)
+  half = rows.shape[-1] // 2
+  return _bf16_bits(rows[..., :half]) | (_bf16_bits(rows[..., half:]) << 16)
+
+
+def to_storage(values, dtype) -> np.ndarray:
+  """Host-side: (V, dim) array of `dtype` -> stored words (NumPy)."""
+  values = np.asarray(values)
+  if np.dtype(dtype) != jnp.bfloat16:
+    return values.astype(np.float32)
+  bits = values.astype(jnp.bfloat16).view(np.uint16).astype(np.uint32)
+  half = values.shape[-1] // 2
+  return bits[..., :half] | (bits[..., half:] << 16)
+
+
+def from_storage(words, dtype) -> np.ndarray:
+  """Host-side: stored words -> (V, dim) array of `dtype` (NumPy)."""
+  words = np.asarray(words)
+  if np.dtype(dtype) != jnp.bfloat16:
+    return words.astype(np.float32)
+  lo = (words & 0xFFFF).astype(np.uint16)
+  hi = (words >> 16).astype(np.uint16)
+  return np.concatenate([lo, hi], axis=-1).view(jnp.bfloat16)

@@ -1,0 +1,135 @@
+"""Static descriptions of tables and features: frozen, hashable, validated.
+
+Specs are configuration, not state: they are hashed into `jax.jit` caches and
+carry no arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Literal, Optional
+
+import jax
+import numpy as np
+
+from pallas_emb import packing
+from pallas_emb.errors import SpecError
+from pallas_emb.optimizers.base import EmbeddingOptimizer
+from pallas_emb.optimizers.sgd import SGD
+
+Combiner = Optional[Literal["sum", "mean", "sqrtn"]]
+COMBINERS = ("sum", "mean", "sqrtn", None)
+Initializer = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
+
+
+def default_initializer(key, shape, dtype=np.float32):
+  """Truncated normal with stddev 1/sqrt(dim): unit-scale dot products."""
+  stddev = 1.0 / np.sqrt(shape[-1])
+  return jax.random.truncated_normal(key, -2.0, 2.0, shape, dtype) * stddev
+
+
+def _check_name(owner: str, name) -> None:
+  if not isinstance(name, str) or not name:
+    raise SpecError(f"{owner}: name must be a non-empty str, got {name!r}.")
+
+
+def _check_optional_capacity(owner: str, field: str, value) -> None:
+  if value is None:
+    return
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    raise SpecError(
+        f"{owner}: {field} must be a positive int or None (exact, never "
+        f"overflows), got {value!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class TableSpec:
+  """One embedding table, row-sharded over a mesh axis.
+
+  Attributes:
+    name: unique table name.
+    num_rows: vocabulary size V (ids in [0, V) are valid).
+    dim: row width D. bfloat16 tables need an even D (stored as D/2 words).
+    dtype: float32 or bfloat16 (optimizer slots are always 32-bit).
+    optimizer: an `EmbeddingOptimizer` (SGD, Adagrad, RowWiseAdagrad,
+      LazyAdam, ...).
+    initializer: `(key, (dim,), float32) -> (dim,)`, called once per logical
+      row with a key derived from the row id, so the initial table does not
+      depend on the number of shards or the layout.
+    layout: "mod" (row r on shard r % S) or "range" (contiguous blocks).
+    unique_capacity: distinct ids per data shard per step; None = the number
+      of ids per shard (never overflows). Extra distinct ids are dropped and
+      counted as overflow.
+    route_capacity: ids one data shard may send to one owner per step; None =
+      unique_capacity (never overflows).
+  """
+
+  name: str
+  num_rows: int
+  dim: int
+  optimizer: EmbeddingOptimizer = dataclasses.field(default_factory=SGD)
+  dtype: Any = np.float32
+  initializer: Initializer = default_initializer
+  layout: Literal["mod", "range"] = "mod"
+  unique_capacity: int | None = None
+  route_capacity: int | None = None
+
+  def __post_init__(self):
+    owner = f"TableSpec({self.name!r})"
+    _check_name("TableSpec", self.name)
+    for field in ("num_rows", "dim"):
+      value = getattr(self, field)
+      if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise SpecError(f"{owner}: {field} must be a positive int, got {value!r}.")
+    try:
+      dtype = np.dtype(self.dtype)
+    except TypeError as e:
+      raise SpecError(f"{owner}: dtype {self.dtype!r} is not a dtype; use "
+                      "jnp.float32 or jnp.bfloat16.") from e
+    if dtype not in packing.SUPPORTED_DTYPES:
+      raise SpecError(f"{owner}: dtype {dtype} is not supported; use "
+                      "jnp.float32 or jnp.bfloat16.")
+    object.__setattr__(self, "dtype", dtype)
+    if dtype == packing.SUPPORTED_DTYPES[1] and self.dim % 2:
+      raise SpecError(
+          f"{owner}: a bfloat16 table needs an even dim (rows are stored as "
+          f"pairs of bfloat16 in 32-bit words), got dim={self.dim}; pad dim "
+          f"to {self.dim + 1} or use float32.")
+    if not isinstance(self.optimizer, EmbeddingOptimizer):
+      raise SpecError(
+          f"{owner}: optimizer {self.optimizer!r} does not implement "
+          "EmbeddingOptimizer (slot_specs, scalars, update_rows); use one of "
+          "pallas_emb.optimizers.")
+    if not callable(self.initializer):
+      raise SpecError(f"{owner}: initializer must be callable (key, shape, "
+                      f"dtype) -> array, got {self.initializer!r}.")
+    if self.layout not in ("mod", "range"):
+      raise SpecError(f"{owner}: layout must be 'mod' or 'range', got "
+                      f"{self.layout!r}.")
+    _check_optional_capacity(owner, "unique_capacity", self.unique_capacity)
+    _check_optional_capacity(owner, "route_capacity", self.route_capacity)
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureSpec:
+  """One categorical input looked up in a table.
+
+  Attributes:
+    name: unique feature name (the key of its ids and its output).
+    table: the `TableSpec.name` it reads.
+    combiner: how a bag of ids (B, L) becomes one row: "sum", "mean", "sqrtn"
+      -> (B, dim); None keeps the sequence -> (B, L, dim). Padding (-1) and
+      invalid ids contribute zero; "mean" and "sqrtn" count only valid ids.
+  """
+
+  name: str
+  table: str
+  combiner: Combiner = "sum"
+
+  def __post_init__(self):
+    _check_name("FeatureSpec", self.name)
+    _check_name(f"FeatureSpec({self.name!r}).table", self.table)
+    if self.combiner not in COMBINERS:
+      raise SpecError(
+          f"FeatureSpec({self.name!r}): combiner must be one of {COMBINERS}, "
+          f"got {self.combiner!r}.")

@@ -1,0 +1,16 @@
+"""Where embedding rows live and how ids and gradients travel between shards.
+
+This package knows nothing of optimizers or kernels: it places rows
+(`layout`), deduplicates ids with static capacities (`dedup`), and moves ids,
+rows and gradients between data shards and row owners inside `shard_map`
+(`route`).
+"""
+
+from sharding.dedup import PAD_ID, Unique, dedup, unique_keys
+from sharding.layout import SENTINEL, LayoutError, RowLayout
+from sharding.route import RoutePlan, from_owners, plan_route, to_owners
+
+__all__ = [
+    "PAD_ID", "SENTINEL", "LayoutError", "RowLayout", "RoutePlan", "Unique",
+    "dedup", "from_owners", "plan_route", "to_owners", "unique_keys",
+]

@@ -1,0 +1,69 @@
+"""Static-capacity dedup: deterministic, invalid ids masked, overflow counted."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sharding.dedup import PAD_ID, dedup, unique_keys
+from sharding.layout import SENTINEL, RowLayout
+
+
+def _check_unique(ids, layout, capacity):
+  u = jax.jit(dedup, static_argnums=(1, 2))(jnp.asarray(ids, jnp.int32), layout, capacity)
+  keys, inverse = np.asarray(u.keys), np.asarray(u.inverse)
+  valid = (ids >= 0) & (ids < layout.num_rows)
+  distinct = np.unique(layout.physical_of(ids[valid]))
+  kept = distinct[:capacity]
+  np.testing.assert_array_equal(keys[:len(kept)], kept)
+  assert (keys[len(kept):] == SENTINEL).all()
+  assert int(u.num_unique) == len(distinct)
+  assert int(u.num_overflow) == len(distinct) - len(kept)
+  assert int(u.num_invalid) == int(np.sum(~valid & (ids != PAD_ID)))
+  for i, x in enumerate(ids):
+    if valid[i] and layout.physical_of(x) in kept:
+      assert keys[inverse[i]] == layout.physical_of(x)
+    else:
+      assert inverse[i] == -1, (i, x)
+  return u
+
+
+@pytest.mark.parametrize("layout", [RowLayout(100, 1), RowLayout(100, 8), RowLayout(100, 3, "range")])
+def test_dedup_matches_numpy(layout):
+  ids = np.random.default_rng(1).integers(0, 100, 300).astype(np.int32)
+  _check_unique(ids, layout, 128)
+
+
+def test_invalid_ids_are_masked_and_counted():
+  layout = RowLayout(50, 4)
+  ids = np.array([3, -1, 50, 3, 2**31 - 1, -7, 49, 0, -1], np.int32)
+  u = _check_unique(ids, layout, 16)
+  assert int(u.num_invalid) == 3  # 50, 2**31-1, -7; the -1 are padding
+  assert int(u.num_unique) == 3
+
+
+def test_overflow_drops_whole_ids_never_clamps():
+  layout = RowLayout(1000, 1)
+  ids = np.arange(40, dtype=np.int32)[::-1].copy()
+  u = _check_unique(ids, layout, 16)
+  assert int(u.num_overflow) == 24
+  inverse = np.asarray(u.inverse)
+  # The kept ids are the 16 smallest keys; every other token has no slot.
+  assert set(ids[inverse >= 0]) == set(range(16))
+
+
+def test_result_does_not_depend_on_input_order():
+  layout = RowLayout(64, 4)
+  ids = np.random.default_rng(2).integers(0, 64, 200).astype(np.int32)
+  a = dedup(jnp.asarray(ids), layout, 24)
+  perm = np.random.default_rng(3).permutation(200)
+  b = dedup(jnp.asarray(ids[perm]), layout, 24)
+  np.testing.assert_array_equal(a.keys, b.keys)
+  np.testing.assert_array_equal(np.asarray(a.inverse)[perm], b.inverse)
+
+
+def test_unique_keys_validates():
+  with pytest.raises(TypeError, match="int32"):
+    unique_keys(jnp.zeros((4,), jnp.float32), 4)
+  with pytest.raises(ValueError, match="capacity must be >= 1, got 0"):
+    unique_keys(jnp.zeros((4,), jnp.int32), 0)
