@@ -197,10 +197,13 @@ def update_shard(r: TableRouting, table, slots, step, res: TableResiduals,
   owner_grads = to_owners(res.plan, unique_grads, axis_name=r.axis)
   norm = jnp.sqrt(jax.lax.psum(jnp.sum(owner_grads * owner_grads), r.axis))
   apply = jnp.isfinite(norm) & gate
+  opt = r.spec.optimizer
+  # Optimizers whose math cannot run inside a kernel (arbitrary optax code)
+  # take the XLA path whatever the backend.
+  backend = r.backend if getattr(opt, "runs_in_kernel", True) else "xla"
   table, slots = kernels.fused_update(
-      table, slots, res.plan.owner_rows, owner_grads,
-      r.spec.optimizer.scalars(step), apply, optimizer=r.spec.optimizer,
-      dtype=r.spec.dtype, backend=r.backend)
+      table, slots, res.plan.owner_rows, owner_grads, opt.scalars(step), apply,
+      optimizer=opt, dtype=r.spec.dtype, backend=backend)
   psum = lambda x: jax.lax.psum(jnp.sum(x), r.axis)
   metrics = TableMetrics(
       unique_ids=psum(res.plan.num_owner_unique),
@@ -370,6 +373,14 @@ class ShardedEmbedding:
       expected = (layout.num_physical_rows,
                   packing.storage_width(spec.dim, spec.dtype))
       got = tables[name].table
+      # Reusing a donated buffer crashes the CPU client of JAX 0.10 instead
+      # of raising; catch it here with a message that says what happened.
+      leaves = [got, *tables[name].slots.values()]
+      if any(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+             and x.is_deleted() for x in leaves):
+        raise InputError(
+            f"table {name!r} (or a slot) was donated to an earlier update and "
+            "its buffer is gone; pass the state that update returned.")
       if tuple(got.shape) != expected or got.dtype != packing.storage_dtype(spec.dtype):
         raise InputError(
             f"table {name!r} has {got.dtype}{list(got.shape)}, but its spec "
@@ -535,33 +546,99 @@ def _init_rows(spec: TableSpec, layout: RowLayout, key, shard):
   return table
 
 
+def lookup_table(emb: ShardedEmbedding, name: str, table: jax.Array,
+                 ids: Mapping[str, jax.Array]):
+  """Looks up every feature of table `name` (traceable; no validation).
+
+  Args:
+    emb: the configuration.
+    name: the table.
+    table: its stored (physical) array.
+    ids: feature -> (B, L) int32, for (at least) the table's features.
+
+  Returns:
+    (acts, residuals): feature -> output, and the `TableResiduals`.
+  """
+  feats = emb.features_of(name)
+  tokens = sum(ids[f.name].shape[0] // emb.num_shards * ids[f.name].shape[1]
+               for f in feats)
+  routing = emb.routing(name, tokens)
+
+  def shard_fn(table, *feature_ids):
+    flat = jnp.concatenate([x.reshape(-1) for x in feature_ids])
+    rows, res = lookup_shard(routing, table, flat)
+    outs, weights, start = [], [], 0
+    for f, x in zip(feats, feature_ids):
+      valid = (x >= 0) & (x < routing.spec.num_rows)
+      out, w = _combine(rows[start:start + x.size].reshape(*x.shape, -1),
+                        valid, f.combiner)
+      outs.append(out)
+      weights.append(w)
+      start += x.size
+    return tuple(outs), res._replace(weights=tuple(weights))
+
+  outs, res = jax.shard_map(
+      shard_fn, mesh=emb.mesh, in_specs=P(emb.axis), out_specs=P(emb.axis),
+      check_vma=False)(*_place(emb, (table, *[ids[f.name] for f in feats])))
+  return {f.name: o for f, o in zip(feats, outs)}, res
+
+
+def token_gradients(emb: ShardedEmbedding, name: str, res: TableResiduals,
+                    grads: Mapping[str, jax.Array]) -> jax.Array:
+  """Gradients w.r.t. the outputs -> (S * tokens_per_shard, dim) per id.
+
+  Each device's block is in the order of its ids in the lookup (features
+  concatenated per device), so it lines up with `res.inverse`.
+  """
+  feats = emb.features_of(name)
+
+  def shard_fn(weights, *feature_grads):
+    return jnp.concatenate([_expand_grads(g, w, f.combiner)
+                            for f, g, w in zip(feats, feature_grads, weights)])
+
+  return jax.shard_map(
+      shard_fn, mesh=emb.mesh, in_specs=P(emb.axis), out_specs=P(emb.axis),
+      check_vma=False)(*_place(emb, (res.weights,
+                                     *[grads[f.name] for f in feats])))
+
+
+def update_table(emb: ShardedEmbedding, name: str, state: TableState,
+                 res: TableResiduals, token_grads: jax.Array, gate):
+  """Sparse fused update of table `name` (traceable; no validation).
+
+  Args:
+    emb: the configuration.
+    name: the table.
+    state: its `TableState`.
+    res: the residuals of the lookup whose gradient this is.
+    token_grads: (S * tokens_per_shard, dim) float32 from `token_gradients`.
+    gate: bool scalar; False writes nothing.
+
+  Returns:
+    (new TableState, TableMetrics).
+  """
+  routing = emb.routing(name, res.inverse.shape[0] // emb.num_shards)
+
+  def shard_fn(table, slots, step, res, grads, gate):
+    return update_shard(routing, table, slots, step, res, grads, gate)
+
+  table, slots, step, metrics = jax.shard_map(
+      shard_fn, mesh=emb.mesh,
+      in_specs=(P(emb.axis), P(emb.axis), P(), P(emb.axis), P(emb.axis), P()),
+      out_specs=(P(emb.axis), P(emb.axis), P(), P()), check_vma=False)(
+          *_place(emb, (state.table, state.slots)),
+          _place(emb, state.step, rows=False),
+          *_place(emb, (res, token_grads)),
+          _place(emb, jnp.asarray(gate, jnp.bool_), rows=False))
+  return TableState(table, slots, step), metrics
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _lookup(emb: ShardedEmbedding, tables, ids):
   acts, residuals = {}, {}
-  tokens = emb.check_ids(ids)
-  for name, n in tokens.items():
-    feats = emb.features_of(name)
-    routing = emb.routing(name, n)
-
-    def shard_fn(table, *feature_ids, feats=feats, routing=routing):
-      flat = jnp.concatenate([x.reshape(-1) for x in feature_ids])
-      rows, res = lookup_shard(routing, table, flat)
-      outs, weights, start = [], [], 0
-      for f, x in zip(feats, feature_ids):
-        valid = (x >= 0) & (x < routing.spec.num_rows)
-        out, w = _combine(rows[start:start + x.size].reshape(*x.shape, -1),
-                          valid, f.combiner)
-        outs.append(out)
-        weights.append(w)
-        start += x.size
-      return tuple(outs), res._replace(weights=tuple(weights))
-
-    outs, res = jax.shard_map(
-        shard_fn, mesh=emb.mesh, in_specs=P(emb.axis),
-        out_specs=P(emb.axis), check_vma=False)(
-            *_place(emb, (tables[name], *[ids[f.name] for f in feats])))
-    acts.update({f.name: o for f, o in zip(feats, outs)})
-    residuals[name] = res
+  for name in tables:
+    table_acts, residuals[name] = lookup_table(emb, name, tables[name], ids)
+    acts.update(table_acts)
   return acts, residuals
 
 
@@ -570,27 +647,7 @@ def _apply_gradients(emb: ShardedEmbedding, tables, residuals, grads, gate):
   tables = dict(tables)
   metrics = {}
   for name, res in residuals.items():
-    feats = emb.features_of(name)
-    n = res.inverse.shape[0] // emb.num_shards
-    routing = emb.routing(name, n)
-
-    def shard_fn(table, slots, step, res, gate, *feature_grads, feats=feats,
-                 routing=routing):
-      token_grads = jnp.concatenate([
-          _expand_grads(g, w, f.combiner)
-          for f, g, w in zip(feats, feature_grads, res.weights)])
-      return update_shard(routing, table, slots, step, res, token_grads, gate)
-
-    state = tables[name]
-    table, slots, step, m = jax.shard_map(
-        shard_fn, mesh=emb.mesh,
-        in_specs=(P(emb.axis), P(emb.axis), P(), P(emb.axis), P())
-        + (P(emb.axis),) * len(feats),
-        out_specs=(P(emb.axis), P(emb.axis), P(), P()), check_vma=False)(
-            *_place(emb, (state.table, state.slots)),
-            _place(emb, state.step, rows=False), _place(emb, res),
-            _place(emb, gate, rows=False),
-            *_place(emb, tuple(grads[f.name] for f in feats)))
-    tables[name] = TableState(table, slots, step)
-    metrics[name] = m
+    tables[name], metrics[name] = update_table(
+        emb, name, tables[name], res, token_gradients(emb, name, res, grads),
+        gate)
   return tables, metrics

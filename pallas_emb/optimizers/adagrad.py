@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_emb.optimizers.base import (
-    LearningRate, SlotSpec, check_learning_rate, check_range, learning_rate_at)
+    FusedAsyncEmbUpdate, LearningRate, SlotSpec, check_learning_rate, check_range, learning_rate_at)
 
 
 class AdagradScalars(NamedTuple):
@@ -17,7 +17,7 @@ class AdagradScalars(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class Adagrad:
+class Adagrad(FusedAsyncEmbUpdate):
   """Adagrad with one accumulator per element (slot `acc`, (rows, dim)).
 
   `acc += g**2; row -= lr * g * rsqrt(acc + eps)` (0 where acc == 0), the

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_emb.optimizers.base import (
-    LearningRate, SlotSpec, check_learning_rate, check_range, learning_rate_at)
+    FusedAsyncEmbUpdate, LearningRate, SlotSpec, check_learning_rate, check_range, learning_rate_at)
 
 
 class AdamScalars(NamedTuple):
@@ -28,7 +28,7 @@ class AdamScalars(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class LazyAdam:
+class LazyAdam(FusedAsyncEmbUpdate):
   """Row-lazy Adam (slots `m`, `v`: (rows, dim); `count`: (rows, 1) int32).
 
   Attributes:
@@ -67,3 +67,7 @@ class LazyAdam:
     correction2 = 1 - jnp.exp(t * np.float32(math.log(self.b2))) if self.b2 else 1
     update = (m / correction1) / (jnp.sqrt(v / correction2) + np.float32(self.eps))
     return rows - scalars.learning_rate * update, {"m": m, "v": v, "count": count}
+
+
+# The reference's name for it.
+AsyncEmbAdam = LazyAdam

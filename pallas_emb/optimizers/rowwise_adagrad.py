@@ -27,7 +27,7 @@ import numpy as np
 
 from pallas_emb.errors import SpecError
 from pallas_emb.optimizers.base import (
-    LearningRate, SlotSpec, check_learning_rate, check_range, learning_rate_at)
+    FusedAsyncEmbUpdate, LearningRate, SlotSpec, check_learning_rate, check_range, learning_rate_at)
 
 
 class RowWiseAdagradScalars(NamedTuple):
@@ -36,7 +36,7 @@ class RowWiseAdagradScalars(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class RowWiseAdagrad:
+class RowWiseAdagrad(FusedAsyncEmbUpdate):
   """Row-wise Adagrad (slot `acc`, (rows, 1); plus `last_step` when lazy).
 
   Attributes:

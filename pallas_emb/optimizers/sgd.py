@@ -7,7 +7,8 @@ from typing import NamedTuple
 
 import jax
 
-from pallas_emb.optimizers.base import LearningRate, check_learning_rate, learning_rate_at
+from pallas_emb.optimizers.base import (
+    FusedAsyncEmbUpdate, LearningRate, check_learning_rate, learning_rate_at)
 
 
 class SGDScalars(NamedTuple):
@@ -15,7 +16,7 @@ class SGDScalars(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class SGD:
+class SGD(FusedAsyncEmbUpdate):
   """Stochastic gradient descent; no slots. Matches `optax.sgd(lr)` bitwise.
 
   Attributes:

@@ -1,0 +1,237 @@
+"""The training step: dense parameters with optax, tables with the fused update.
+
+Three pipelines, chosen by `TrainConfig`:
+
+* async (use_async_emb=True, exact=False), the reference's schedule. Step t
+  gets batch t's embeddings from the lookup started in step t-1, starts the
+  update with step t-1's gradient (it overlaps the dense forward), collects
+  it after the loss, starts the lookup of batch t+1 on the updated table
+  (it overlaps the backward) and returns step t's gradient as the next
+  pending update. Embeddings are exactly one step stale.
+* exact (use_async_emb=True, exact=True): the same calls, but step t's own
+  gradient is applied within step t, before the lookup of batch t+1.
+* sync (use_async_emb=False): lookup, backward and sparse update in order,
+  with any embedding optimizer.
+
+The dense update is never skipped when an embedding update is (a non-finite
+embedding gradient norm skips only that table's update, as in the
+reference): wrap `dense_tx` in `optax.apply_if_finite` to skip dense steps too.
+
+`flush` applies the pending update; it changes nothing in the trajectory (the
+next step would have applied it before its next lookup anyway), so evaluation
+after a flush sees every gradient so far without perturbing training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from pallas_emb import async_emb
+from pallas_emb.async_emb import (
+    AsyncEmbContextHandle, AsyncEmbGradientUpdate, EmbLookup, EmbOptState)
+from pallas_emb.embedding import ShardedEmbedding, TableState
+from pallas_emb.errors import InputError
+from pallas_emb.train.config import TrainConfig, validate_config
+
+# loss_fn(params, acts, batch) -> (loss, aux): acts maps feature -> embedding.
+LossFn = Callable[[Any, Mapping[str, jax.Array], Any], tuple[jax.Array, Any]]
+
+
+class TrainState(NamedTuple):
+  """Everything a step carries (a pytree; checkpoint it whole).
+
+  Attributes:
+    params: dense parameters.
+    opt_state: their optax state.
+    tables: table name -> `TableState`.
+    pending: table name -> the deferred `AsyncEmbGradientUpdate` (async);
+      an empty update otherwise.
+    lookups: table name -> the started `EmbLookup` of the next batch (async
+      and exact pipelines); empty for sync.
+    step: () int32 steps taken.
+  """
+
+  params: Any
+  opt_state: Any
+  tables: dict[str, TableState]
+  pending: dict[str, AsyncEmbGradientUpdate]
+  lookups: dict[str, EmbLookup]
+  step: jax.Array
+
+
+def _feature_ids(ctx: AsyncEmbContextHandle, ids):
+  return {f.name: ids[f.name] for f in ctx.embedding.features}
+
+
+def _feature_grads(ctx: AsyncEmbContextHandle, grads):
+  return {f.name: grads[f.name] for f in ctx.embedding.features}
+
+
+def _table_metrics(m: Mapping[str, jax.Array], pending, norm, valid):
+  return {"grad_norm": norm, "applied": valid,
+          "skipped": jnp.logical_and(pending, jnp.logical_not(valid)),
+          "unique_ids": m["unique_ids"], "invalid_ids": m["invalid_ids"],
+          "overflow_ids": m["overflow_ids"]}
+
+
+@dataclasses.dataclass(frozen=True)
+class Trainer:
+  """A jitted training step over a dense model and sharded tables.
+
+  Build with `make_trainer`. Batches are dicts with an "ids" entry (feature
+  -> (B, L) int32) and anything else `loss_fn` reads (labels, dense inputs).
+
+  Attributes:
+    emb: the embedding configuration.
+    loss_fn: `(params, acts, batch) -> (loss, aux)`.
+    dense_tx: the dense parameters' optax transformation.
+    config: the validated `TrainConfig`.
+    contexts: (table name, `AsyncEmbContextHandle`) pairs (async pipelines).
+  """
+
+  emb: ShardedEmbedding
+  loss_fn: LossFn
+  dense_tx: optax.GradientTransformation
+  config: TrainConfig
+  contexts: tuple[tuple[str, AsyncEmbContextHandle], ...] = ()
+
+  def init(self, params, tables: Mapping[str, TableState], batch) -> TrainState:
+    """The state before step 0; starts the lookup of `batch` (async)."""
+    lookups, pending = {}, {}
+    for name, ctx in self.contexts:
+      lookups[name] = async_emb.lookup_start(
+          ctx, tables[name].table, _feature_ids(ctx, batch["ids"]))
+      pending[name] = async_emb.empty_gradient_update(ctx)
+    return TrainState(params, self.dense_tx.init(params), dict(tables),
+                      pending, lookups, jnp.zeros((), jnp.int32))
+
+  def step(self, state: TrainState, batch, next_batch=None):
+    """One training step on `batch` -> (state, metrics). `state` is donated.
+
+    Args:
+      state: from `init` or the previous step; for async and exact
+        pipelines its lookups hold `batch`'s embeddings.
+      batch: this step's batch.
+      next_batch: the next step's batch (async and exact pipelines start its
+        lookup here); ignored by the sync pipeline.
+
+    Returns:
+      (state, metrics): metrics has "loss", "aux", and "emb": table ->
+      {"grad_norm", "applied", "skipped", "unique_ids", "invalid_ids",
+      "overflow_ids"} (for async, of the update applied in this step, i.e.
+      of step t-1's batch).
+    """
+    if self.contexts and next_batch is None:
+      raise InputError(
+          "the async and exact pipelines need next_batch: step t starts the "
+          "lookup of batch t+1; pass the next batch (any batch of the same "
+          "shapes at the last step, then flush).")
+    return _jit_step(self, state, batch, next_batch)
+
+  def flush(self, state: TrainState):
+    """Applies the pending update -> (state, metrics). `state` is donated."""
+    return _jit_flush(self, state)
+
+  def evaluate(self, state: TrainState, batch):
+    """(loss, aux) of `batch` on the current tables, without updating."""
+    return _jit_evaluate(self, state, batch)
+
+
+def make_trainer(emb: ShardedEmbedding, loss_fn: LossFn,
+                 dense_tx: optax.GradientTransformation, config: TrainConfig,
+                 example_batch) -> Trainer:
+  """Validates the config, then builds the trainer for batches like
+  `example_batch`.
+
+  Raises:
+    ConfigError: before anything is traced, if `config.use_async_emb` meets
+      a table optimizer without a fused update.
+  """
+  validate_config(config, emb)
+  contexts = ()
+  if config.use_async_emb:
+    contexts = tuple(async_emb.context_handles(emb, example_batch["ids"]).items())
+  return Trainer(emb, loss_fn, dense_tx, config, contexts)
+
+
+def _dense_step(tr: Trainer, params, opt_state, acts, batch):
+  (loss, aux), (g_params, g_acts) = jax.value_and_grad(
+      tr.loss_fn, argnums=(0, 1), has_aux=True)(params, acts, batch)
+  updates, opt_state = tr.dense_tx.update(g_params, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, loss, aux, g_acts
+
+
+def _start(ctx, update, table_state: TableState, gate=None):
+  _, table, opt_state, m = async_emb.gradient_update_start(
+      ctx, update, table_state.table,
+      EmbOptState(table_state.slots, table_state.step), gate)
+  return TableState(table, opt_state.slots, opt_state.step), m
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+def _jit_step(tr: Trainer, state: TrainState, batch, next_batch):
+  if not tr.config.use_async_emb:
+    acts, res = tr.emb.lookup(state.tables, batch["ids"])
+    params, opt_state, loss, aux, g_acts = _dense_step(
+        tr, state.params, state.opt_state, acts, batch)
+    tables, m = tr.emb.apply_gradients(state.tables, res, g_acts)
+    emb_metrics = {k: _table_metrics(v._asdict(), jnp.asarray(True),
+                                     v.grad_norm, v.applied)
+                   for k, v in m.items()}
+    return (state._replace(params=params, opt_state=opt_state, tables=tables,
+                           step=state.step + 1),
+            {"loss": loss, "aux": aux, "emb": emb_metrics})
+
+  tables, pending, lookups, started = dict(state.tables), {}, {}, {}
+  acts = {}
+  for name, ctx in tr.contexts:
+    acts.update(async_emb.lookup_done(ctx, state.lookups[name]))
+  if not tr.config.exact:
+    # Step t-1's gradient: no data dependence on this step's forward.
+    for name, ctx in tr.contexts:
+      tables[name], started[name] = _start(ctx, state.pending[name], tables[name])
+  params, opt_state, loss, aux, g_acts = _dense_step(
+      tr, state.params, state.opt_state, acts, batch)
+  emb_metrics = {}
+  for name, ctx in tr.contexts:
+    this_step = async_emb.make_gradient_update(
+        ctx, state.lookups[name], _feature_grads(ctx, g_acts))
+    if tr.config.exact:
+      applied_update = this_step
+      tables[name], started[name] = _start(ctx, this_step, tables[name], loss)
+      pending[name] = state.pending[name]
+    else:
+      applied_update = state.pending[name]
+      pending[name] = this_step
+    norm, valid, pin = async_emb.gradient_update_done(ctx, gate=loss)
+    emb_metrics[name] = _table_metrics(started[name], applied_update.pending,
+                                       norm, valid)
+    lookups[name] = async_emb.lookup_start(
+        ctx, tables[name].table, _feature_ids(ctx, next_batch["ids"]), gate=pin)
+  return (TrainState(params, opt_state, tables, pending, lookups,
+                     state.step + 1),
+          {"loss": loss, "aux": aux, "emb": emb_metrics})
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+def _jit_flush(tr: Trainer, state: TrainState):
+  tables, pending, emb_metrics = dict(state.tables), dict(state.pending), {}
+  for name, ctx in tr.contexts:
+    update = state.pending[name]
+    tables[name], m = _start(ctx, update, tables[name])
+    norm, valid, _ = async_emb.gradient_update_done(ctx)
+    emb_metrics[name] = _table_metrics(m, update.pending, norm, valid)
+    pending[name] = async_emb.empty_gradient_update(ctx)
+  return state._replace(tables=tables, pending=pending), {"emb": emb_metrics}
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _jit_evaluate(tr: Trainer, state: TrainState, batch):
+  acts, _ = tr.emb.lookup(state.tables, batch["ids"])
+  return tr.loss_fn(state.params, acts, batch)
