@@ -108,8 +108,12 @@ class Trainer:
       lookups[name] = async_emb.lookup_start(
           ctx, tables[name].table, _feature_ids(ctx, batch["ids"]))
       pending[name] = async_emb.empty_gradient_update(ctx)
-    return TrainState(params, self.dense_tx.init(params), dict(tables),
-                      pending, lookups, jnp.zeros((), jnp.int32))
+    # Replicated on the mesh, as the step returns them: otherwise the second
+    # step would see new input shardings and compile again.
+    params, opt_state, step = jax.device_put(
+        (params, self.dense_tx.init(params), jnp.zeros((), jnp.int32)),
+        self.emb.sharding(rows=False))
+    return TrainState(params, opt_state, dict(tables), pending, lookups, step)
 
   def step(self, state: TrainState, batch, next_batch=None):
     """One training step on `batch` -> (state, metrics). `state` is donated.

@@ -1,0 +1,46 @@
+"""What the main job needs from a data source.
+
+A batch is a dict of NumPy arrays:
+  "ids":    feature -> (B, L) int32 (-1 = padding),
+  "dense":  (B, num_dense) float32,
+  "label":  (B,) float32 click / positive in {0, 1},
+  "weight": (B,) float32, 0 for padding examples of a last eval batch.
+Training batches are a pure function of (seed, index), so a resumed run sees
+the same data as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, NamedTuple, Protocol
+
+
+class DataError(ValueError):
+  """A data source that cannot be read: missing file, malformed line."""
+
+
+class FeatureInfo(NamedTuple):
+  """A categorical feature: its table, vocabulary, bag size and combiner."""
+
+  name: str
+  table: str
+  num_rows: int
+  bag_size: int
+  combiner: str | None
+
+
+class Dataset(Protocol):
+  """A click log: feature layout, training batches by index, eval batches."""
+
+  @property
+  def features(self) -> tuple[FeatureInfo, ...]:
+    ...
+
+  @property
+  def num_dense(self) -> int:
+    ...
+
+  def train_batch(self, index: int, batch_size: int) -> dict:
+    ...
+
+  def eval_batches(self, batch_size: int) -> Iterator[dict]:
+    ...

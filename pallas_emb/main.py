@@ -1,0 +1,280 @@
+"""The main job: train and evaluate a ranking model with sharded tables.
+
+    python -m pallas_emb                       # synthetic click log, 8 CPU devices
+    python -m pallas_emb --data=movielens:ml-100k/u.data --steps=2000
+    python -m pallas_emb --checkpoint_dir=/tmp/run --checkpoint_every=100 --resume
+
+Every categorical feature is looked up from a row-sharded table; the tables
+are trained with the fused asynchronous update (one step stale, like the
+reference) unless --noasync_emb or --exact_emb; the MLP with optax Adam.
+"""
+
+from __future__ import annotations
+
+import json
+import logging as std_logging
+import os
+import time
+
+from absl import app, flags, logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import pallas_emb as pe
+from pallas_emb import data as data_lib
+from pallas_emb import packing
+from pallas_emb.model import RankingModel
+from pallas_emb.train.checkpoint import Checkpointer
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("steps", 500, "Training steps.")
+flags.DEFINE_integer("batch_size", 1024, "Global batch size (a multiple of the device count).")
+flags.DEFINE_string("data", "synthetic", "'synthetic' or 'movielens:PATH' (u.data, ratings.dat, ratings.csv).")
+flags.DEFINE_integer("devices", 8, "Devices in the mesh; on CPU, this many simulated devices per process.")
+flags.DEFINE_enum("backend", None, ["xla", "interpret", "pallas"], "Kernel backend; default: pallas on TPU, xla elsewhere.")
+flags.DEFINE_bool("async_emb", True, "Train tables with the fused asynchronous update (--noasync_emb: synchronous sparse update).")
+flags.DEFINE_bool("exact_emb", False, "With --async_emb, apply each step's embedding gradient within the step (no staleness).")
+flags.DEFINE_enum("optimizer", "rowwise_adagrad", ["rowwise_adagrad", "adagrad", "sgd", "lazy_adam", "optax_adam"],
+                  "Embedding optimizer (optax_adam has no fused update: it needs --noasync_emb).")
+flags.DEFINE_float("emb_learning_rate", None, "Embedding learning rate; default per optimizer.")
+flags.DEFINE_float("dense_learning_rate", 1e-3, "Adam learning rate of the MLP.")
+flags.DEFINE_integer("emb_dim", 16, "Width of every embedding table.")
+flags.DEFINE_string("checkpoint_dir", None, "Directory for orbax checkpoints.")
+flags.DEFINE_integer("checkpoint_every", 0, "Checkpoint every N steps (0: only at the end, if --checkpoint_dir).")
+flags.DEFINE_bool("resume", False, "Continue from the latest checkpoint in --checkpoint_dir.")
+flags.DEFINE_integer("eval_every", 0, "Evaluate every N steps (0: only at the end).")
+flags.DEFINE_integer("eval_batches", 0, "Evaluate on at most this many batches (0: the whole held-out set).")
+flags.DEFINE_integer("log_every", 50, "Print progress every N steps.")
+flags.DEFINE_string("report_json", None, "Write the final report to this JSON file.")
+flags.DEFINE_string("save_tables", None, "Write the final tables (logical row order) to this .npz file.")
+flags.DEFINE_integer("seed", 0, "Seed of the data and the initial parameters.")
+flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0 (or JAX_COORDINATOR_ADDRESS).")
+flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes (or JAX_NUM_PROCESSES).")
+flags.DEFINE_integer("process_id", None, "Multi-host: this process's index (or JAX_PROCESS_ID).")
+
+_DEFAULT_LR = {"rowwise_adagrad": 0.05, "adagrad": 0.05, "sgd": 0.5,
+               "lazy_adam": 0.005, "optax_adam": 0.005}
+
+
+def _log(*args) -> None:
+  if jax.process_index() == 0:
+    print(*args, flush=True)
+
+
+def _maybe_initialize_distributed() -> None:
+  address = FLAGS.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+  num = FLAGS.num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "0") or 0)
+  if not address and not num:
+    return
+  pid = FLAGS.process_id
+  if pid is None and "JAX_PROCESS_ID" in os.environ:
+    pid = int(os.environ["JAX_PROCESS_ID"])
+  if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS") == "cpu":
+    # CPU processes exchange collectives through gloo.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=address, num_processes=num or None,
+                             process_id=pid)
+
+
+def _embedding_optimizer(name: str, lr: float):
+  return {"rowwise_adagrad": lambda: pe.RowWiseAdagrad(lr, eps=1e-8, half_life_steps=None),
+          "adagrad": lambda: pe.Adagrad(lr),
+          "sgd": lambda: pe.SGD(lr),
+          "lazy_adam": lambda: pe.LazyAdam(lr),
+          "optax_adam": lambda: pe.OptaxRows(optax.adam(lr))}[name]()
+
+
+def build(dataset, mesh, *, emb_dim, optimizer, backend, seed):
+  """The embedding config and the model for a dataset."""
+  tables, seen = [], set()
+  for f in dataset.features:
+    if f.table not in seen:
+      seen.add(f.table)
+      tables.append(pe.TableSpec(f.table, f.num_rows, emb_dim, optimizer=optimizer))
+  features = [pe.FeatureSpec(f.name, f.table, f.combiner) for f in dataset.features]
+  emb = pe.ShardedEmbedding(tables, features, mesh, "x", backend)
+  model = RankingModel(tuple(f.name for f in dataset.features),
+                       emb_dim * len(features) + dataset.num_dense)
+  del seed
+  return emb, model
+
+
+class _Feeder:
+  """Host batches -> global arrays, each process feeding its slice."""
+
+  def __init__(self, emb: pe.ShardedEmbedding, dataset, batch_size: int):
+    self.emb, self.dataset, self.batch_size = emb, dataset, batch_size
+    self.sharding = emb.sharding()
+    n = jax.process_count()
+    if batch_size % n:
+      raise app.UsageError(f"--batch_size={batch_size} must be a multiple of the "
+                           f"{n} processes.")
+    self.lo = jax.process_index() * batch_size // n
+    self.hi = self.lo + batch_size // n
+
+  def put(self, batch):
+    def one(x):
+      x = np.asarray(x)
+      return jax.make_array_from_process_local_data(
+          self.sharding, x[self.lo:self.hi], x.shape)
+    return jax.tree.map(one, batch)
+
+  def train(self, index: int):
+    batch = self.dataset.train_batch(index, self.batch_size)
+    batch.pop("true_logit", None)
+    return self.put(batch)
+
+
+def _auc(scores: np.ndarray, labels: np.ndarray) -> float:
+  """ROC AUC by ranks (ties get their average rank)."""
+  pos = labels > 0.5
+  n_pos, n_neg = int(pos.sum()), int((~pos).sum())
+  if not n_pos or not n_neg:
+    return float("nan")
+  order = np.argsort(scores, kind="stable")
+  ranks = np.empty(len(scores))
+  ranks[order] = np.arange(1, len(scores) + 1)
+  _, inverse, counts = np.unique(scores, return_inverse=True, return_counts=True)
+  sums = np.bincount(inverse, weights=ranks)
+  ranks = (sums / counts)[inverse]
+  return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+def evaluate(trainer, state, feeder, max_batches: int = 0) -> dict:
+  """AUC and log-loss of the held-out set (every process gets the result)."""
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  scores, labels, weights = [], [], []
+  for k, batch in enumerate(feeder.dataset.eval_batches(feeder.batch_size)):
+    if max_batches and k == max_batches:
+      break
+    batch.pop("true_logit", None)
+    _, aux = trainer.evaluate(state, feeder.put(batch))
+    scores.append(np.asarray(multihost_utils.process_allgather(aux["logits"], tiled=True)))
+    labels.append(batch["label"])
+    weights.append(batch["weight"])
+  s, y, w = (np.concatenate(x) for x in (scores, labels, weights))
+  keep = w > 0
+  s, y = s[keep], y[keep]
+  p = np.clip(1 / (1 + np.exp(-s)), 1e-7, 1 - 1e-7)
+  logloss = float(-np.mean(y * np.log(p) + (1 - y) * np.log(1 - p)))
+  return {"auc": _auc(s, y), "logloss": logloss, "examples": int(keep.sum())}
+
+
+def _logical_tables(emb, tables) -> dict[str, np.ndarray]:
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  out = {}
+  for name, ts in tables.items():
+    physical = np.asarray(multihost_utils.process_allgather(ts.table, tiled=True))
+    spec = emb.table_spec(name)
+    out[name] = packing.from_storage(emb.layout(name).to_logical(physical),
+                                        spec.dtype).astype(np.float32)
+  return out
+
+
+def run(argv=()) -> dict:
+  """Trains per FLAGS and returns the report."""
+  del argv
+  if FLAGS["verbosity"].using_default_value:
+    # JAX's INFO lines (e.g. "Unable to initialize backend 'tpu'") drown the
+    # progress; -v 0 brings them back.
+    logging.set_verbosity(logging.WARNING)
+    std_logging.getLogger("jax").setLevel(std_logging.WARNING)
+  _maybe_initialize_distributed()
+  devices = jax.devices()
+  if FLAGS.devices > len(devices):
+    raise app.UsageError(f"--devices={FLAGS.devices} but only {len(devices)} devices exist.")
+  if FLAGS.batch_size % FLAGS.devices:
+    raise app.UsageError(f"--batch_size={FLAGS.batch_size} must be a multiple of --devices={FLAGS.devices}.")
+  n_dev = FLAGS.devices if jax.process_count() == 1 else len(devices)
+  mesh = jax.sharding.Mesh(np.array(devices[:n_dev]), ("x",))
+  dataset = data_lib.from_flag(FLAGS.data, seed=FLAGS.seed)
+  lr = FLAGS.emb_learning_rate or _DEFAULT_LR[FLAGS.optimizer]
+  emb, model = build(dataset, mesh, emb_dim=FLAGS.emb_dim,
+                     optimizer=_embedding_optimizer(FLAGS.optimizer, lr),
+                     backend=FLAGS.backend, seed=FLAGS.seed)
+  config = pe.TrainConfig(use_async_emb=FLAGS.async_emb,
+                          exact=FLAGS.exact_emb and FLAGS.async_emb)
+  feeder = _Feeder(emb, dataset, FLAGS.batch_size)
+  trainer = pe.make_trainer(emb, model.loss, optax.adam(FLAGS.dense_learning_rate),
+                            config, feeder.train(0))
+  key = jax.random.key(FLAGS.seed)
+  state = trainer.init(model.init(jax.random.fold_in(key, 1)),
+                       emb.init(jax.random.fold_in(key, 2)), feeder.train(0))
+  ckpt = Checkpointer(FLAGS.checkpoint_dir, trainer) if FLAGS.checkpoint_dir else None
+  batch_shapes = {f.name: (FLAGS.batch_size, f.bag_size) for f in dataset.features}
+  start = 0
+  if FLAGS.resume and ckpt is not None and ckpt.latest_step() is not None:
+    state = ckpt.restore(state, feeder.train)
+    start = int(jax.device_get(state.step))
+    _log(f"resumed from step {start} of {ckpt.manager.directory}")
+
+  _log(f"pallas_emb: {FLAGS.data}, {mesh.size} devices ({jax.process_count()} processes), "
+       f"backend {emb.backend}, {'exact ' if config.exact else ''}"
+       f"{'async' if config.use_async_emb else 'sync'} embedding update, "
+       f"{FLAGS.optimizer}, tables " + ", ".join(f"{t.name}:{t.num_rows}x{t.dim}" for t in emb.tables))
+  skipped = invalid = overflow = 0
+  loss = initial_loss = float("nan")
+  timed_examples, timed_seconds = 0, 0.0
+  history = []
+  batch = feeder.train(start)
+  for t in range(start, FLAGS.steps):
+    next_batch = feeder.train(t + 1)
+    tic = time.perf_counter()
+    state, m = trainer.step(state, batch, next_batch)
+    loss = float(m["loss"])  # blocks: the step is done
+    if t == start:
+      initial_loss = loss
+    elapsed = time.perf_counter() - tic
+    if t > start:  # the first step compiles
+      timed_examples += FLAGS.batch_size
+      timed_seconds += elapsed
+    for tm in m["emb"].values():
+      skipped += int(tm["skipped"])
+      invalid += int(tm["invalid_ids"])
+      overflow += int(tm["overflow_ids"])
+    batch = next_batch
+    done = t + 1
+    if done % FLAGS.log_every == 0 or done == FLAGS.steps:
+      norms = " ".join(f"{k}={float(v['grad_norm']):.3g}" for k, v in m["emb"].items())
+      rate = timed_examples / timed_seconds if timed_seconds else float("nan")
+      _log(f"step {done:6d}  loss {loss:.4f}  {rate:9.0f} ex/s  emb grad norm {norms}  "
+           f"skipped {skipped}")
+    if FLAGS.eval_every and done % FLAGS.eval_every == 0 and done < FLAGS.steps:
+      state, _ = trainer.flush(state)
+      ev = evaluate(trainer, state, feeder, FLAGS.eval_batches)
+      history.append({"step": done, **ev})
+      _log(f"eval at step {done}: auc {ev['auc']:.4f}  logloss {ev['logloss']:.4f}")
+    if ckpt is not None and FLAGS.checkpoint_every and done % FLAGS.checkpoint_every == 0:
+      ckpt.save(state, batch_shapes, {"data_position": done})
+
+  if ckpt is not None and (not FLAGS.checkpoint_every or FLAGS.steps % FLAGS.checkpoint_every):
+    if FLAGS.steps > start:
+      ckpt.save(state, batch_shapes, {"data_position": FLAGS.steps})
+  state, _ = trainer.flush(state)  # the last gradient reaches the tables
+  ev = evaluate(trainer, state, feeder, FLAGS.eval_batches)
+  _log(f"final: step {FLAGS.steps}  train loss {loss:.4f}  eval auc {ev['auc']:.4f}  "
+       f"logloss {ev['logloss']:.4f}  ({ev['examples']} eval examples)")
+  report = {
+      "steps": FLAGS.steps, "final_train_loss": loss,
+      "initial_train_loss": initial_loss, "eval_auc": ev["auc"],
+      "eval_logloss": ev["logloss"],
+      "examples_per_sec": timed_examples / timed_seconds if timed_seconds else None,
+      "emb_updates_skipped": skipped, "invalid_ids": invalid, "overflow_ids": overflow,
+      "devices": mesh.size, "backend": emb.backend, "async_emb": config.use_async_emb,
+      "exact_emb": config.exact, "optimizer": FLAGS.optimizer, "data": FLAGS.data,
+      "processes": jax.process_count(), "eval_history": history,
+  }
+  if FLAGS.save_tables:
+    tables = _logical_tables(emb, state.tables)
+    if jax.process_index() == 0:
+      np.savez(FLAGS.save_tables, **tables)
+  if FLAGS.report_json and jax.process_index() == 0:
+    with open(FLAGS.report_json, "w") as f:
+      json.dump(report, f, indent=2)
+  return report
+
+
+def main(argv):
+  run(argv)

@@ -1,0 +1,53 @@
+"""The main job's ranking model: embeddings + dense features -> MLP -> click.
+
+The embedding part goes only through the public API (`ShardedEmbedding`, the
+trainer); this module is the dense part, in plain JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+@dataclasses.dataclass(frozen=True)
+class RankingModel:
+  """A click-through-rate MLP over concatenated embeddings and dense inputs.
+
+  Attributes:
+    features: feature names in concatenation order.
+    input_dim: sum of their embedding dims plus the dense feature count.
+    hidden: hidden layer widths (ReLU).
+  """
+
+  features: tuple[str, ...]
+  input_dim: int
+  hidden: tuple[int, ...] = (128, 64)
+
+  def init(self, key: jax.Array) -> list[dict[str, jax.Array]]:
+    """He-initialised layers: [{"w": (in, out), "b": (out,)}, ...]."""
+    sizes = (self.input_dim, *self.hidden, 1)
+    keys = jax.random.split(key, len(sizes) - 1)
+    return [{"w": jax.random.normal(k, (i, o), jnp.float32) * jnp.sqrt(2.0 / i),
+             "b": jnp.zeros((o,), jnp.float32)}
+            for k, i, o in zip(keys, sizes[:-1], sizes[1:])]
+
+  def logits(self, params: Sequence[Mapping[str, jax.Array]],
+             acts: Mapping[str, jax.Array], dense: jax.Array) -> jax.Array:
+    """(B,) click logits from feature -> (B, dim) embeddings and (B, F) dense."""
+    x = jnp.concatenate([acts[f] for f in self.features] + [dense], axis=1)
+    for layer in params[:-1]:
+      x = jax.nn.relu(x @ layer["w"] + layer["b"])
+    return (x @ params[-1]["w"] + params[-1]["b"])[:, 0]
+
+  def loss(self, params, acts, batch):
+    """Weighted mean log-loss -> (loss, {"logits"})."""
+    logits = self.logits(params, acts, batch["dense"])
+    per_example = optax.sigmoid_binary_cross_entropy(logits, batch["label"])
+    weight = batch["weight"]
+    return jnp.sum(per_example * weight) / jnp.maximum(jnp.sum(weight), 1.0), {
+        "logits": logits}

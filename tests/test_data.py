@@ -1,0 +1,81 @@
+"""Data sources: the synthetic log is deterministic; MovieLens in three formats."""
+
+import numpy as np
+import pytest
+
+from pallas_emb import data
+
+
+def test_synthetic_batches_are_a_function_of_seed_and_index():
+  a, b = data.SyntheticClickLog(seed=3), data.SyntheticClickLog(seed=3)
+  x, y = a.train_batch(7, 64), b.train_batch(7, 64)
+  for k in x["ids"]:
+    np.testing.assert_array_equal(x["ids"][k], y["ids"][k])
+  np.testing.assert_array_equal(x["label"], y["label"])
+  assert not np.array_equal(a.train_batch(8, 64)["ids"]["user"], x["ids"]["user"])
+  assert x["ids"]["history"].shape == (64, a.history_len) and (x["ids"]["history"] >= -1).all()
+  assert x["ids"]["user"].dtype == np.int32 and x["dense"].shape == (64, a.num_dense)
+
+
+def test_synthetic_ids_are_zipf_and_the_signal_is_learnable():
+  d = data.SyntheticClickLog()
+  batch = d.train_batch(0, 8192)
+  users = batch["ids"]["user"].ravel()
+  # A hot head: the 10 most frequent users cover far more than 10/num_users.
+  counts = np.sort(np.bincount(users, minlength=d.num_users))[::-1]
+  assert counts[:10].sum() / len(users) > 0.05
+  # The planted model separates clicks from non-clicks (its AUC is the ceiling).
+  from pallas_emb.main import _auc
+  assert _auc(batch["true_logit"], batch["label"]) > 0.75
+
+
+def test_synthetic_eval_set_has_the_requested_size():
+  d = data.SyntheticClickLog(eval_examples=1000)
+  batches = list(d.eval_batches(256))
+  assert len(batches) == 4 and sum(b["weight"].sum() for b in batches) == 1000
+
+
+def _write(tmp_path, name, text):
+  p = tmp_path / name
+  p.write_text(text)
+  return str(p)
+
+
+ROWS = [(1, 10, 5, 1000), (2, 10, 3, 900), (1, 20, 4, 1100), (3, 30, 1, 800), (2, 20, 4.5, 1200)]
+
+
+@pytest.mark.parametrize("name,fmt", [
+    ("u.data", lambda r: "\t".join(map(str, r))),
+    ("ratings.dat", lambda r: "::".join(map(str, r))),
+    ("ratings.csv", lambda r: ",".join(map(str, r))),
+])
+def test_movielens_formats_parse_alike(tmp_path, name, fmt):
+  header = "userId,movieId,rating,timestamp\n" if name.endswith(".csv") else ""
+  path = _write(tmp_path, name, header + "\n".join(fmt(r) for r in ROWS) + "\n")
+  ratings = data.load_ratings(path)
+  np.testing.assert_array_equal(ratings, np.array(ROWS, np.float64))
+  ml = data.MovieLens.from_file(path, eval_fraction=0.2)
+  # Time-ordered: ts 800, 900, 1000, 1100 train; 1200 (the latest) evaluates.
+  assert ml.num_train == 4 and ml.num_users == 3 and ml.num_items == 3
+  np.testing.assert_array_equal(ml.label, [0, 0, 1, 1, 1])  # rating >= 4
+  ev = list(ml.eval_batches(4))
+  assert len(ev) == 1 and ev[0]["weight"].tolist() == [1, 0, 0, 0]
+  tb = ml.train_batch(0, 4)
+  assert sorted(tb["label"].tolist()) == [0, 0, 1, 1]  # one epoch = the train set
+  assert set(tb["ids"]) == {"user", "item", "hour", "weekday"}
+
+
+def test_movielens_errors_name_the_path_and_line(tmp_path):
+  with pytest.raises(data.DataError, match=r"'/nope/u.data' does not exist"):
+    data.load_ratings("/nope/u.data")
+  path = _write(tmp_path, "u.data", "1\t2\t3\t4\n1\t2\t3\n")
+  with pytest.raises(data.DataError, match=r"u.data:2: expected 4 fields .* got 3"):
+    data.load_ratings(path)
+  path = _write(tmp_path, "ratings.dat", "1::2::3::4\n1::x::3::4\n")
+  with pytest.raises(data.DataError, match=r"ratings.dat:2: cannot parse"):
+    data.load_ratings(path)
+  path = _write(tmp_path, "ratings.csv", "userId,movieId,rating,timestamp\n")
+  with pytest.raises(data.DataError, match=r"holds no ratings"):
+    data.load_ratings(path)
+  with pytest.raises(data.DataError, match=r"--data='hive' is not a known source"):
+    data.from_flag("hive")
