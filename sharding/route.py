@@ -128,6 +128,8 @@ def to_owners(plan: RoutePlan, values: jax.Array, *, axis_name) -> jax.Array:
     (owner_capacity, ...) per owner row, summed over sources in source order;
     zero for padding rows.
   """
+  if _is_identity(plan, axis_name):
+    return _zero_where(plan.owner_rows < 0, values)
   num_slots = plan.owner_inverse.shape[0]
   send = jnp.zeros((num_slots,) + values.shape[1:], values.dtype).at[
       _drop_negative(plan.send_slot, num_slots)].set(
@@ -150,8 +152,26 @@ def from_owners(plan: RoutePlan, owner_values: jax.Array, *,
   Returns:
     (unique_capacity, ...) per source-side unique id; zero for dropped ids.
   """
+  if _is_identity(plan, axis_name):
+    return _zero_where(plan.send_slot < 0, owner_values)
   back = _take_or_zero(owner_values, plan.owner_inverse)
   return _take_or_zero(_exchange(back, axis_name), plan.send_slot)
+
+
+def _is_identity(plan: RoutePlan, axis_name) -> bool:
+  """One shard and no capacity cut: unique slot i is owner row i (static).
+
+  Then `send_slot[i]` is i (or -1 with a zero value) and so is
+  `owner_inverse`: the exchange and both scatters can be skipped.
+  """
+  return (jax.lax.axis_size(axis_name) == 1
+          and plan.send_slot.shape == plan.owner_inverse.shape
+          == plan.owner_rows.shape)
+
+
+def _zero_where(mask: jax.Array, x: jax.Array) -> jax.Array:
+  return jnp.where(mask.reshape(mask.shape + (1,) * (x.ndim - 1)),
+                   jnp.zeros((), x.dtype), x)
 
 
 def _take_or_zero(x: jax.Array, idx: jax.Array) -> jax.Array:

@@ -6,6 +6,13 @@
 
 from __future__ import annotations
 
+# The kernel modules share their names with the dispatch functions below.
+# Importing them first, before the functions are defined, lets the functions
+# take the package attributes: a module's first import sets the attribute of
+# its name on the package, so a lazy import would replace `fused_update` the
+# function by `fused_update` the module after its first call.
+from pallas_emb.kernels import fused_update as _pallas_update
+from pallas_emb.kernels import gather as _pallas_gather
 from pallas_emb.kernels import xla
 from pallas_emb.kernels.backend import BACKENDS, default_backend, resolve_backend
 
@@ -14,9 +21,8 @@ def gather(table, rows, *, dtype, backend: str):
   """(C,) local rows (-1 padding) of a stored table -> (C, dim) float32."""
   if backend == "xla":
     return xla.gather(table, rows, dtype=dtype)
-  from pallas_emb.kernels import gather as pallas_gather  # pylint: disable=g-import-not-at-top
-  return pallas_gather.gather(table, rows, dtype=dtype,
-                              interpret=backend == "interpret")
+  return _pallas_gather.gather(table, rows, dtype=dtype,
+                               interpret=backend == "interpret")
 
 
 def fused_update(table, slots, rows, grads, scalars, apply, *, optimizer,
@@ -25,10 +31,9 @@ def fused_update(table, slots, rows, grads, scalars, apply, *, optimizer,
   if backend == "xla":
     return xla.fused_update(table, slots, rows, grads, scalars, apply,
                             optimizer=optimizer, dtype=dtype)
-  from pallas_emb.kernels import fused_update as pallas_update  # pylint: disable=g-import-not-at-top
-  return pallas_update.fused_update(table, slots, rows, grads, scalars, apply,
-                                    optimizer=optimizer, dtype=dtype,
-                                    interpret=backend == "interpret")
+  return _pallas_update.fused_update(table, slots, rows, grads, scalars,
+                                     apply, optimizer=optimizer, dtype=dtype,
+                                     interpret=backend == "interpret")
 
 
 __all__ = ["BACKENDS", "default_backend", "fused_update", "gather",

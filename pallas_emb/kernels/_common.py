@@ -1,0 +1,184 @@
+"""What the Pallas kernels share: argument checks, the target chip, VMEM sizing.
+
+Nothing here touches arrays; it runs while tracing, on static shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Union
+
+import numpy as np
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_emb import packing
+from pallas_emb.errors import ConfigError, InputError, VmemBudgetError
+
+# TPU vregs are (8, 128) 32-bit words: VMEM buffers round rows up to 8
+# sublanes and columns up to 128 lanes, so a (C, 1) slot buffer costs as much
+# as a (C, 128) one.
+SUBLANES = 8
+LANES = 128
+WORD_BYTES = 4
+
+# Off TPU (interpret mode on CPU) there is no chip to ask. v5p has the least
+# VMEM per core of v5e, v6e and v5p, so a chunk size accepted here fits all
+# three.
+OFF_TPU_CHIP = pltpu.ChipVersion.TPU_V5P
+
+# The smallest default scoped VMEM limit (v5e's): asking for less would only
+# make a small kernel harder to compile.
+_MIN_VMEM_LIMIT = 16 * 1024 * 1024
+
+# Device kinds (jax.Device.device_kind) whose spelling differs from the
+# ChipVersion value.
+_KIND_ALIASES = {"v4 lite": "v4i", "v5 lite": "v5e", "v5": "v5p",
+                 "v6 lite": "v6e"}
+
+Target = Union[None, str, pltpu.ChipVersion, pltpu.TpuInfo]
+
+
+def round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def padded_words(rows: int, cols: int) -> int:
+  """32-bit words a (rows, cols) VMEM buffer occupies after (8, 128) tiling."""
+  return round_up(rows, SUBLANES) * round_up(cols, LANES)
+
+
+def interpret_params(interpret) -> pltpu.InterpretParams | bool:
+  """`interpret=` of `pl.pallas_call`: False, or TPU interpret parameters.
+
+  True means default `InterpretParams()`: the TPU interpreter, which runs
+  DMAs asynchronously against simulated HBM, VMEM and semaphores (and can
+  detect races), not pallas_call's generic interpreter, which completes
+  every copy at its start and so cannot exercise the schedule.
+  """
+  if isinstance(interpret, pltpu.InterpretParams):
+    return interpret
+  if isinstance(interpret, (bool, np.bool_)):
+    return pltpu.InterpretParams() if interpret else False
+  raise ConfigError(
+      f"interpret must be a bool or a pltpu.InterpretParams, got "
+      f"{interpret!r} of type {type(interpret).__name__}.")
+
+
+def check_chunk_rows(chunk_rows) -> int:
+  is_int = (isinstance(chunk_rows, (int, np.integer))
+            and not isinstance(chunk_rows, bool))
+  if not is_int or chunk_rows < SUBLANES or chunk_rows % SUBLANES:
+    fix = round_up(max(int(chunk_rows), SUBLANES), SUBLANES) if is_int else 128
+    raise ConfigError(
+        f"chunk_rows must be a positive multiple of {SUBLANES} (the TPU "
+        f"sublane count, so every VMEM buffer is whole (8, 128) tiles), got "
+        f"{chunk_rows!r}; use e.g. chunk_rows={fix}.")
+  return int(chunk_rows)
+
+
+def check_rows(rows, name: str = "rows") -> None:
+  if np.dtype(rows.dtype) != np.int32 or rows.ndim != 1:
+    raise InputError(
+        f"{name} must be a 1-D int32 array of local row ids (-1 = padding), "
+        f"got {rows.dtype}{list(rows.shape)}; flatten it and cast with "
+        ".astype(jnp.int32).")
+
+
+def check_table(table, dtype) -> int:
+  """Validates a stored table for logical `dtype`; returns the row dim."""
+  dtype = np.dtype(dtype)
+  if dtype not in packing.SUPPORTED_DTYPES:
+    raise InputError(f"dtype must be float32 or bfloat16, got {dtype}.")
+  want = packing.storage_dtype(dtype)
+  if table.ndim != 2 or np.dtype(table.dtype) != want:
+    raise InputError(
+        f"a {dtype} table is stored as a 2-D {want} array (see "
+        f"pallas_emb.packing), got {table.dtype}{list(table.shape)}; build it "
+        "with packing.to_storage / ShardedEmbedding.init.")
+  width = table.shape[1]
+  return 2 * width if dtype == packing.SUPPORTED_DTYPES[1] else width
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """The part of `pltpu.TpuInfo` the kernels size themselves by."""
+
+  name: str
+  vmem_bytes: int
+  smem_bytes: int
+
+
+def _chip_version(name: str) -> pltpu.ChipVersion:
+  key = name.strip().lower()
+  if key.startswith("tpu"):
+    key = key[3:].strip()
+  key = _KIND_ALIASES.get(key, key)
+  try:
+    return pltpu.ChipVersion(key)
+  except ValueError:
+    known = sorted({v.value for v in pltpu.ChipVersion})
+    raise ConfigError(
+        f"target {name!r} names no TPU chip; use a ChipVersion, one of "
+        f"{known}, or a device kind such as 'TPU v5 lite'.") from None
+
+
+def resolve_chip(target: Target = None) -> Chip:
+  """The chip a kernel is sized for.
+
+  Args:
+    target: None for the chip JAX runs on (or, under
+      `jax.sharding.use_abstract_mesh`, the abstract device's chip, which is
+      how an export for TPU names it); off TPU, `OFF_TPU_CHIP`. Else a
+      `pltpu.ChipVersion`, its value ("v5e"), a device kind ("TPU v5 lite"),
+      or a `pltpu.TpuInfo`.
+  """
+  if isinstance(target, pltpu.TpuInfo):
+    info = target
+  elif target is None:
+    try:
+      info = pltpu.get_tpu_info()
+    except ValueError:  # not a TPU device kind: interpret mode on CPU
+      info = pltpu.get_tpu_info_for_chip(OFF_TPU_CHIP, 1)
+  else:
+    if not isinstance(target, pltpu.ChipVersion):
+      target = _chip_version(str(target))
+    info = pltpu.get_tpu_info_for_chip(target, 1)
+  return Chip(str(info.chip_version), info.vmem_capacity_bytes,
+              info.smem_capacity_bytes)
+
+
+def vmem_limit_bytes(footprint: int, chip: Chip) -> int:
+  """The scoped VMEM limit to compile with: the footprint plus headroom for
+  Mosaic's own scratch and spills, never above the chip."""
+  return min(chip.vmem_bytes, max(_MIN_VMEM_LIMIT, footprint + footprint // 2))
+
+
+def check_vmem(kernel: str, footprint_of: Callable[[int], int], chunk_rows: int,
+               chip: Chip) -> int:
+  """Raises VmemBudgetError unless `footprint_of(chunk_rows)` fits the chip.
+
+  Returns the footprint in bytes.
+  """
+  footprint = footprint_of(chunk_rows)
+  if footprint <= chip.vmem_bytes:
+    return footprint
+  fits = chunk_rows - SUBLANES
+  while fits >= SUBLANES and footprint_of(fits) > chip.vmem_bytes:
+    fits -= SUBLANES
+  hint = (f"use chunk_rows={fits} (or less)" if fits >= SUBLANES else
+          f"even chunk_rows={SUBLANES} needs {footprint_of(SUBLANES)} bytes; "
+          "split the table's rows into narrower tables")
+  raise VmemBudgetError(
+      f"{kernel}: chunk_rows={chunk_rows} needs {footprint} bytes of VMEM, but "
+      f"TPU {chip.name} has {chip.vmem_bytes} bytes per core; {hint}.")
+
+
+def check_smem(kernel: str, num_ids: int, extra_words: int, chip: Chip) -> None:
+  """The row ids are scalar-prefetched into SMEM, which is small."""
+  need = (num_ids + extra_words) * WORD_BYTES
+  if need > chip.smem_bytes:
+    raise InputError(
+        f"{kernel}: {num_ids} row ids are scalar-prefetched into SMEM and need "
+        f"{need} bytes, but TPU {chip.name} has {chip.smem_bytes} bytes of "
+        f"SMEM; call the kernel on at most "
+        f"{chip.smem_bytes // WORD_BYTES - extra_words} ids at a time.")
