@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import get_opaque_trace_state
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 
 from pallas_emb import embedding as emb_lib
 from pallas_emb.embedding import ShardedEmbedding, TableResiduals, TableState
@@ -381,11 +381,17 @@ def make_gradient_update(context: AsyncEmbContextHandle, lookup: EmbLookup,
   res = lookup.residuals
   token_grads = _jit_token_gradients(context.embedding, context.name, res,
                                      dict(grads))
+  return gradient_update_from(res, token_grads, jnp.asarray(True))
+
+
+def gradient_update_from(residuals: TableResiduals, token_grads: jax.Array,
+                         pending) -> AsyncEmbGradientUpdate:
+  """An update from a lookup's (or `ShardedEmbedding.plan`'s) residuals and
+  per-id gradients (S * tokens_per_shard, dim) in its per-device order."""
   return AsyncEmbGradientUpdate(
-      unique_tokens=res.unique_keys, grads=token_grads,
-      segment_ids=res.inverse, pending=jnp.asarray(True),
-      plan=res.plan, num_invalid=res.num_invalid,
-      num_overflow=res.num_overflow)
+      unique_tokens=residuals.unique_keys, grads=token_grads,
+      segment_ids=residuals.inverse, pending=pending, plan=residuals.plan,
+      num_invalid=residuals.num_invalid, num_overflow=residuals.num_overflow)
 
 
 def empty_gradient_update(context: AsyncEmbContextHandle) -> AsyncEmbGradientUpdate:
@@ -448,7 +454,7 @@ def fused_gradient_update_start(opt, context: AsyncEmbContextHandle,
   new, metrics = _jit_update(context.embedding, context.name,
                              TableState(_tie(table, gate), dict(state.slots),
                                         state.step),
-                             res, update.grads, update.pending)
+                             res, update.pending, update.grads)
   context._arm(_InFlight(metrics.grad_norm, metrics.applied, new.step,
                          get_opaque_trace_state(convention="flax")))
   pins = (metrics.grad_norm, metrics.applied)
@@ -488,24 +494,32 @@ def _jit_token_gradients(emb, name, res, grads):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2,))
-def _jit_update(emb, name, state, res, grads, pending):
-  return emb_lib.update_table(emb, name, state, res, grads, pending)
+def _jit_update(emb, name, state, res, pending, token_grads):
+  return emb_lib.update_table(emb, name, state, res, pending,
+                              token_grads=token_grads)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _jit_empty_update(emb, name, tokens_per_rank):
   routing = emb.routing(name, tokens_per_rank)
   caps, s = routing.capacities, emb.num_shards
-  place = lambda x: emb_lib._place(emb, x)  # pylint: disable=protected-access
-  full = lambda shape, v: place(jnp.full(shape, v, jnp.int32))
-  plan = RoutePlan(
-      send_slot=full((s * caps.unique,), -1),
-      owner_rows=full((s * caps.owner,), -1),
-      owner_inverse=full((s * s * caps.route,), -1),
-      num_owner_unique=full((s,), 0), num_overflow=full((s,), 0))
-  n = s * tokens_per_rank
+
+  def shard_fn():
+    # Each device makes its own block: no array is built unsharded first
+    # (which a mesh with Explicit axes refuses to reshard inside jit).
+    full = lambda n, v: jnp.full((n,), v, jnp.int32)
+    plan = RoutePlan(send_slot=full(caps.unique, -1),
+                     owner_rows=full(caps.owner, -1),
+                     owner_inverse=full(s * caps.route, -1),
+                     num_owner_unique=full(1, 0), num_overflow=full(1, 0))
+    return (full(caps.unique, SENTINEL),
+            jnp.zeros((tokens_per_rank, routing.spec.dim), jnp.float32),
+            full(tokens_per_rank, -1), plan, full(1, 0), full(1, 0))
+
+  keys, grads, segments, plan, invalid, overflow = jax.shard_map(
+      shard_fn, mesh=emb.mesh, in_specs=(), out_specs=P(emb.axis),
+      check_vma=False)()
   return AsyncEmbGradientUpdate(
-      unique_tokens=full((s * caps.unique,), SENTINEL),
-      grads=place(jnp.zeros((n, routing.spec.dim), jnp.float32)),
-      segment_ids=full((n,), -1), pending=jnp.asarray(False), plan=plan,
-      num_invalid=full((s,), 0), num_overflow=full((s,), 0))
+      unique_tokens=keys, grads=grads, segment_ids=segments,
+      pending=jnp.asarray(False), plan=plan, num_invalid=invalid,
+      num_overflow=overflow)

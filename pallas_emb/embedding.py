@@ -146,12 +146,13 @@ def lookup_shard(r: TableRouting, table: jax.Array, ids: jax.Array):
 
   Args:
     r: static routing.
-    table: (rows_per_shard, storage_width) this device's row shard.
+    table: (rows_per_shard, storage_width) this device's row shard, or None
+      to plan the routing only.
     ids: (n,) int32 this data shard's ids of every feature of the table.
 
   Returns:
     (rows, residuals): (n, dim) float32 row per id (zero for padding, invalid
-    and overflowed ids), and the `TableResiduals` pieces of this device
+    and overflowed ids; None without a table), and the `TableResiduals` pieces of this device
     (`weights` left for the caller, who knows the features, to fill).
   """
   caps = r.capacities
@@ -159,12 +160,14 @@ def lookup_shard(r: TableRouting, table: jax.Array, ids: jax.Array):
   plan = plan_route(unique.keys, rows_per_shard=r.layout.rows_per_shard,
                     num_shards=r.num_shards, route_capacity=caps.route,
                     owner_capacity=caps.owner, axis_name=r.axis)
-  owner_rows = kernels.gather(table, plan.owner_rows, dtype=r.spec.dtype,
-                              backend=r.backend)
-  unique_rows = from_owners(plan, owner_rows, axis_name=r.axis)
-  rows = jnp.take(unique_rows, jnp.where(unique.inverse < 0, caps.unique,
-                                         unique.inverse),
-                  axis=0, mode="fill", fill_value=0)
+  rows = None
+  if table is not None:
+    owner_rows = kernels.gather(table, plan.owner_rows, dtype=r.spec.dtype,
+                                backend=r.backend)
+    unique_rows = from_owners(plan, owner_rows, axis_name=r.axis)
+    rows = jnp.take(unique_rows, jnp.where(unique.inverse < 0, caps.unique,
+                                           unique.inverse),
+                    axis=0, mode="fill", fill_value=0)
   residuals = TableResiduals(
       unique_keys=unique.keys, inverse=unique.inverse,
       weights=(),
@@ -242,11 +245,22 @@ def _combine(rows: jax.Array, valid: jax.Array, combiner):
 
 def _expand_grads(grads: jax.Array, weights: jax.Array, combiner):
   """Output gradient -> (b * L, D) per-token gradient."""
-  if combiner is None:
-    token = grads.astype(jnp.float32) * weights[..., None]
+  grads = grads.astype(jnp.float32)
+  if combiner in ("sum", None):
+    # The weights are 1 for every id that has a row and 0 for the others,
+    # whose inverse is -1 anyway: multiplying would only cost a token-sized
+    # temporary (on CPU, its page faults cost more than the whole segment sum).
+    token = grads if combiner is None else jnp.broadcast_to(
+        grads[:, None, :], weights.shape + grads.shape[-1:])
   else:
-    token = grads.astype(jnp.float32)[:, None, :] * weights[..., None]
+    token = grads[:, None, :] * weights[..., None]
   return token.reshape(-1, token.shape[-1])
+
+
+def _token_grads_shard(feats, weights, feature_grads) -> jax.Array:
+  """One device's (n, D) per-id gradient, in the order of its lookup's ids."""
+  return jnp.concatenate([_expand_grads(g, w, f.combiner)
+                          for f, g, w in zip(feats, feature_grads, weights)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -465,6 +479,22 @@ class ShardedEmbedding:
     self._check_state(tables, tokens)
     return _lookup(self, {k: tables[k].table for k in tokens}, dict(ids))
 
+  def plan(self, ids: Mapping[str, jax.Array]) -> dict[str, TableResiduals]:
+    """Dedup and routing of `ids` without reading any row.
+
+    What `lookup` returns as residuals, for callers that have the per-id
+    gradients already (no forward pass), e.g. `apply_gradients` from logged
+    gradients or a benchmark of the update alone.
+
+    Args:
+      ids: feature -> (B, L) int32, as for `lookup`.
+
+    Returns:
+      table name -> `TableResiduals`.
+    """
+    self.check_ids(ids)
+    return _plan(self, dict(ids))
+
   def apply_gradients(self, tables: Mapping[str, TableState],
                       residuals: Mapping[str, TableResiduals],
                       grads: Mapping[str, jax.Array], gate=True):
@@ -546,40 +576,54 @@ def _init_rows(spec: TableSpec, layout: RowLayout, key, shard):
   return table
 
 
-def lookup_table(emb: ShardedEmbedding, name: str, table: jax.Array,
+def plan_table(emb: ShardedEmbedding, name: str,
+               ids: Mapping[str, jax.Array]) -> TableResiduals:
+  """Residuals of table `name` for `ids`, without reading rows (traceable)."""
+  return lookup_table(emb, name, None, ids)[1]
+
+
+def lookup_table(emb: ShardedEmbedding, name: str, table: jax.Array | None,
                  ids: Mapping[str, jax.Array]):
   """Looks up every feature of table `name` (traceable; no validation).
 
   Args:
     emb: the configuration.
     name: the table.
-    table: its stored (physical) array.
+    table: its stored (physical) array; None plans the routing only.
     ids: feature -> (B, L) int32, for (at least) the table's features.
 
   Returns:
-    (acts, residuals): feature -> output, and the `TableResiduals`.
+    (acts, residuals): feature -> output ({} without a table), and the
+    `TableResiduals`.
   """
   feats = emb.features_of(name)
   tokens = sum(ids[f.name].shape[0] // emb.num_shards * ids[f.name].shape[1]
                for f in feats)
   routing = emb.routing(name, tokens)
 
-  def shard_fn(table, *feature_ids):
+  def shard_fn(*args):
+    table, feature_ids = (None, args) if table_missing else (args[0], args[1:])
     flat = jnp.concatenate([x.reshape(-1) for x in feature_ids])
     rows, res = lookup_shard(routing, table, flat)
     outs, weights, start = [], [], 0
     for f, x in zip(feats, feature_ids):
       valid = (x >= 0) & (x < routing.spec.num_rows)
-      out, w = _combine(rows[start:start + x.size].reshape(*x.shape, -1),
-                        valid, f.combiner)
-      outs.append(out)
+      if rows is None:
+        w = _combine(jnp.zeros(x.shape + (0,)), valid, f.combiner)[1]
+      else:
+        out, w = _combine(rows[start:start + x.size].reshape(*x.shape, -1),
+                          valid, f.combiner)
+        outs.append(out)
       weights.append(w)
       start += x.size
     return tuple(outs), res._replace(weights=tuple(weights))
 
+  table_missing = table is None
+  args = [ids[f.name] for f in feats] if table_missing else [table] + [
+      ids[f.name] for f in feats]
   outs, res = jax.shard_map(
       shard_fn, mesh=emb.mesh, in_specs=P(emb.axis), out_specs=P(emb.axis),
-      check_vma=False)(*_place(emb, (table, *[ids[f.name] for f in feats])))
+      check_vma=False)(*_place(emb, tuple(args)))
   return {f.name: o for f, o in zip(feats, outs)}, res
 
 
@@ -593,8 +637,7 @@ def token_gradients(emb: ShardedEmbedding, name: str, res: TableResiduals,
   feats = emb.features_of(name)
 
   def shard_fn(weights, *feature_grads):
-    return jnp.concatenate([_expand_grads(g, w, f.combiner)
-                            for f, g, w in zip(feats, feature_grads, weights)])
+    return _token_grads_shard(feats, weights, feature_grads)
 
   return jax.shard_map(
       shard_fn, mesh=emb.mesh, in_specs=P(emb.axis), out_specs=P(emb.axis),
@@ -603,7 +646,8 @@ def token_gradients(emb: ShardedEmbedding, name: str, res: TableResiduals,
 
 
 def update_table(emb: ShardedEmbedding, name: str, state: TableState,
-                 res: TableResiduals, token_grads: jax.Array, gate):
+                 res: TableResiduals, gate, *, token_grads=None,
+                 feature_grads=None):
   """Sparse fused update of table `name` (traceable; no validation).
 
   Args:
@@ -611,26 +655,42 @@ def update_table(emb: ShardedEmbedding, name: str, state: TableState,
     name: the table.
     state: its `TableState`.
     res: the residuals of the lookup whose gradient this is.
-    token_grads: (S * tokens_per_shard, dim) float32 from `token_gradients`.
     gate: bool scalar; False writes nothing.
+    token_grads: (S * tokens_per_shard, dim) float32 from `token_gradients`;
+      or instead
+    feature_grads: feature -> gradient w.r.t. its lookup output, expanded to
+      ids inside the update (no token-sized array between the two).
 
   Returns:
     (new TableState, TableMetrics).
   """
   routing = emb.routing(name, res.inverse.shape[0] // emb.num_shards)
+  feats = emb.features_of(name)
+  if (token_grads is None) == (feature_grads is None):
+    raise TypeError("pass exactly one of token_grads and feature_grads")
+  grads = (token_grads,) if feature_grads is None else tuple(
+      feature_grads[f.name] for f in feats)
 
-  def shard_fn(table, slots, step, res, grads, gate):
-    return update_shard(routing, table, slots, step, res, grads, gate)
+  def shard_fn(table, slots, step, res, gate, *grads):
+    if feature_grads is not None:
+      grads = (_token_grads_shard(feats, res.weights, grads),)
+    return update_shard(routing, table, slots, step, res, grads[0], gate)
 
   table, slots, step, metrics = jax.shard_map(
       shard_fn, mesh=emb.mesh,
-      in_specs=(P(emb.axis), P(emb.axis), P(), P(emb.axis), P(emb.axis), P()),
+      in_specs=(P(emb.axis), P(emb.axis), P(), P(emb.axis), P())
+      + (P(emb.axis),) * len(grads),
       out_specs=(P(emb.axis), P(emb.axis), P(), P()), check_vma=False)(
           *_place(emb, (state.table, state.slots)),
-          _place(emb, state.step, rows=False),
-          *_place(emb, (res, token_grads)),
-          _place(emb, jnp.asarray(gate, jnp.bool_), rows=False))
+          _place(emb, state.step, rows=False), _place(emb, res),
+          _place(emb, jnp.asarray(gate, jnp.bool_), rows=False),
+          *_place(emb, grads))
   return TableState(table, slots, step), metrics
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _plan(emb: ShardedEmbedding, ids):
+  return {name: plan_table(emb, name, ids) for name in emb.check_ids(ids)}
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -648,6 +708,5 @@ def _apply_gradients(emb: ShardedEmbedding, tables, residuals, grads, gate):
   metrics = {}
   for name, res in residuals.items():
     tables[name], metrics[name] = update_table(
-        emb, name, tables[name], res, token_gradients(emb, name, res, grads),
-        gate)
+        emb, name, tables[name], res, gate, feature_grads=grads)
   return tables, metrics

@@ -24,8 +24,10 @@ import optax
 
 import pallas_emb as pe
 from pallas_emb import data as data_lib
-from pallas_emb import packing
-from pallas_emb.model import RankingModel
+from pallas_emb import host_memory, packing
+from pallas_emb.data.feed import GlobalBatches
+from pallas_emb.model import build_ranking
+from pallas_emb.train import metrics
 from pallas_emb.train.checkpoint import Checkpointer
 
 FLAGS = flags.FLAGS
@@ -50,6 +52,8 @@ flags.DEFINE_integer("log_every", 50, "Print progress every N steps.")
 flags.DEFINE_string("report_json", None, "Write the final report to this JSON file.")
 flags.DEFINE_string("save_tables", None, "Write the final tables (logical row order) to this .npz file.")
 flags.DEFINE_integer("seed", 0, "Seed of the data and the initial parameters.")
+flags.DEFINE_bool("keep_freed_memory", True, "Keep freed heap memory between steps (XLA:CPU "
+                  "reallocates its temporaries each step; see pallas_emb.host_memory).")
 flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0 (or JAX_COORDINATOR_ADDRESS).")
 flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes (or JAX_NUM_PROCESSES).")
 flags.DEFINE_integer("process_id", None, "Multi-host: this process's index (or JAX_PROCESS_ID).")
@@ -86,80 +90,21 @@ def _embedding_optimizer(name: str, lr: float):
           "optax_adam": lambda: pe.OptaxRows(optax.adam(lr))}[name]()
 
 
-def build(dataset, mesh, *, emb_dim, optimizer, backend, seed):
-  """The embedding config and the model for a dataset."""
-  tables, seen = [], set()
-  for f in dataset.features:
-    if f.table not in seen:
-      seen.add(f.table)
-      tables.append(pe.TableSpec(f.table, f.num_rows, emb_dim, optimizer=optimizer))
-  features = [pe.FeatureSpec(f.name, f.table, f.combiner) for f in dataset.features]
-  emb = pe.ShardedEmbedding(tables, features, mesh, "x", backend)
-  model = RankingModel(tuple(f.name for f in dataset.features),
-                       emb_dim * len(features) + dataset.num_dense)
-  del seed
-  return emb, model
-
-
-class _Feeder:
-  """Host batches -> global arrays, each process feeding its slice."""
-
-  def __init__(self, emb: pe.ShardedEmbedding, dataset, batch_size: int):
-    self.emb, self.dataset, self.batch_size = emb, dataset, batch_size
-    self.sharding = emb.sharding()
-    n = jax.process_count()
-    if batch_size % n:
-      raise app.UsageError(f"--batch_size={batch_size} must be a multiple of the "
-                           f"{n} processes.")
-    self.lo = jax.process_index() * batch_size // n
-    self.hi = self.lo + batch_size // n
-
-  def put(self, batch):
-    def one(x):
-      x = np.asarray(x)
-      return jax.make_array_from_process_local_data(
-          self.sharding, x[self.lo:self.hi], x.shape)
-    return jax.tree.map(one, batch)
-
-  def train(self, index: int):
-    batch = self.dataset.train_batch(index, self.batch_size)
-    batch.pop("true_logit", None)
-    return self.put(batch)
-
-
-def _auc(scores: np.ndarray, labels: np.ndarray) -> float:
-  """ROC AUC by ranks (ties get their average rank)."""
-  pos = labels > 0.5
-  n_pos, n_neg = int(pos.sum()), int((~pos).sum())
-  if not n_pos or not n_neg:
-    return float("nan")
-  order = np.argsort(scores, kind="stable")
-  ranks = np.empty(len(scores))
-  ranks[order] = np.arange(1, len(scores) + 1)
-  _, inverse, counts = np.unique(scores, return_inverse=True, return_counts=True)
-  sums = np.bincount(inverse, weights=ranks)
-  ranks = (sums / counts)[inverse]
-  return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
-
-
-def evaluate(trainer, state, feeder, max_batches: int = 0) -> dict:
+def evaluate(trainer, state, feeder: GlobalBatches, max_batches: int = 0) -> dict:
   """AUC and log-loss of the held-out set (every process gets the result)."""
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   scores, labels, weights = [], [], []
-  for k, batch in enumerate(feeder.dataset.eval_batches(feeder.batch_size)):
+  for k, (batch, host) in enumerate(feeder.eval()):
     if max_batches and k == max_batches:
       break
-    batch.pop("true_logit", None)
-    _, aux = trainer.evaluate(state, feeder.put(batch))
+    _, aux = trainer.evaluate(state, batch)
     scores.append(np.asarray(multihost_utils.process_allgather(aux["logits"], tiled=True)))
-    labels.append(batch["label"])
-    weights.append(batch["weight"])
+    labels.append(host["label"])
+    weights.append(host["weight"])
   s, y, w = (np.concatenate(x) for x in (scores, labels, weights))
   keep = w > 0
-  s, y = s[keep], y[keep]
-  p = np.clip(1 / (1 + np.exp(-s)), 1e-7, 1 - 1e-7)
-  logloss = float(-np.mean(y * np.log(p) + (1 - y) * np.log(1 - p)))
-  return {"auc": _auc(s, y), "logloss": logloss, "examples": int(keep.sum())}
+  return {"auc": metrics.auc(s[keep], y[keep]), "logloss": metrics.log_loss(s[keep], y[keep]),
+          "examples": int(keep.sum())}
 
 
 def _logical_tables(emb, tables) -> dict[str, np.ndarray]:
@@ -176,6 +121,8 @@ def _logical_tables(emb, tables) -> dict[str, np.ndarray]:
 def run(argv=()) -> dict:
   """Trains per FLAGS and returns the report."""
   del argv
+  if FLAGS.keep_freed_memory:
+    host_memory.keep_freed_memory()
   if FLAGS["verbosity"].using_default_value:
     # JAX's INFO lines (e.g. "Unable to initialize backend 'tpu'") drown the
     # progress; -v 0 brings them back.
@@ -191,12 +138,15 @@ def run(argv=()) -> dict:
   mesh = jax.sharding.Mesh(np.array(devices[:n_dev]), ("x",))
   dataset = data_lib.from_flag(FLAGS.data, seed=FLAGS.seed)
   lr = FLAGS.emb_learning_rate or _DEFAULT_LR[FLAGS.optimizer]
-  emb, model = build(dataset, mesh, emb_dim=FLAGS.emb_dim,
-                     optimizer=_embedding_optimizer(FLAGS.optimizer, lr),
-                     backend=FLAGS.backend, seed=FLAGS.seed)
+  emb, model = build_ranking(dataset, mesh, emb_dim=FLAGS.emb_dim,
+                             optimizer=_embedding_optimizer(FLAGS.optimizer, lr),
+                             backend=FLAGS.backend)
   config = pe.TrainConfig(use_async_emb=FLAGS.async_emb,
                           exact=FLAGS.exact_emb and FLAGS.async_emb)
-  feeder = _Feeder(emb, dataset, FLAGS.batch_size)
+  if FLAGS.batch_size % jax.process_count():
+    raise app.UsageError(f"--batch_size={FLAGS.batch_size} must be a multiple of the "
+                         f"{jax.process_count()} processes.")
+  feeder = GlobalBatches(dataset, FLAGS.batch_size, emb.sharding())
   trainer = pe.make_trainer(emb, model.loss, optax.adam(FLAGS.dense_learning_rate),
                             config, feeder.train(0))
   key = jax.random.key(FLAGS.seed)

@@ -51,3 +51,32 @@ class RankingModel:
     weight = batch["weight"]
     return jnp.sum(per_example * weight) / jnp.maximum(jnp.sum(weight), 1.0), {
         "logits": logits}
+
+
+def build_ranking(dataset, mesh, *, emb_dim: int, optimizer,
+                  backend: str | None = None, axis: str = "x",
+                  hidden: tuple[int, ...] = (128, 64)):
+  """The sharded tables and the MLP for a dataset's features.
+
+  Args:
+    dataset: a `pallas_emb.data.Dataset` (its `features` and `num_dense`).
+    mesh: the device mesh; tables and batches are sharded over `axis`.
+    emb_dim: width of every table.
+    optimizer: the embedding optimizer of every table.
+    backend: kernel backend (None: by platform).
+    axis: the mesh axis.
+    hidden: MLP hidden widths.
+
+  Returns:
+    (ShardedEmbedding, RankingModel).
+  """
+  from pallas_emb.embedding import ShardedEmbedding  # pylint: disable=g-import-not-at-top
+  from pallas_emb.spec import FeatureSpec, TableSpec  # pylint: disable=g-import-not-at-top
+  tables = {}
+  for f in dataset.features:
+    tables.setdefault(f.table, TableSpec(f.table, f.num_rows, emb_dim, optimizer=optimizer))
+  features = [FeatureSpec(f.name, f.table, f.combiner) for f in dataset.features]
+  emb = ShardedEmbedding(tuple(tables.values()), features, mesh, axis, backend)
+  model = RankingModel(tuple(f.name for f in dataset.features),
+                       emb_dim * len(features) + dataset.num_dense, hidden)
+  return emb, model

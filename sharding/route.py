@@ -126,10 +126,12 @@ def to_owners(plan: RoutePlan, values: jax.Array, *, axis_name) -> jax.Array:
 
   Returns:
     (owner_capacity, ...) per owner row, summed over sources in source order;
-    zero for padding rows.
+    zero for padding rows (with one shard, where nothing moves: `values` of
+    its padding slots, which must be zero as segment sums leave them).
   """
   if _is_identity(plan, axis_name):
-    return _zero_where(plan.owner_rows < 0, values)
+    # Padding slots have no ids, so a segment sum left them zero already.
+    return values
   num_slots = plan.owner_inverse.shape[0]
   send = jnp.zeros((num_slots,) + values.shape[1:], values.dtype).at[
       _drop_negative(plan.send_slot, num_slots)].set(

@@ -25,8 +25,8 @@ def test_synthetic_ids_are_zipf_and_the_signal_is_learnable():
   counts = np.sort(np.bincount(users, minlength=d.num_users))[::-1]
   assert counts[:10].sum() / len(users) > 0.05
   # The planted model separates clicks from non-clicks (its AUC is the ceiling).
-  from pallas_emb.main import _auc
-  assert _auc(batch["true_logit"], batch["label"]) > 0.75
+  from pallas_emb.train.metrics import auc
+  assert auc(batch["true_logit"], batch["label"]) > 0.75
 
 
 def test_synthetic_eval_set_has_the_requested_size():
@@ -79,3 +79,16 @@ def test_movielens_errors_name_the_path_and_line(tmp_path):
     data.load_ratings(path)
   with pytest.raises(data.DataError, match=r"--data='hive' is not a known source"):
     data.from_flag("hive")
+
+
+def test_auc_and_log_loss_against_direct_formulas():
+  from pallas_emb.train import metrics
+  rng = np.random.default_rng(0)
+  s = np.round(rng.normal(size=300), 1)  # ties
+  y = (rng.random(300) < 0.4).astype(np.float32)
+  pos, neg = s[y > 0.5], s[y < 0.5]
+  pairs = (pos[:, None] > neg[None]).mean() + 0.5 * (pos[:, None] == neg[None]).mean()
+  assert metrics.auc(s, y) == pytest.approx(pairs)
+  p = 1 / (1 + np.exp(-s))
+  assert metrics.log_loss(s, y) == pytest.approx(-np.mean(y * np.log(p) + (1 - y) * np.log(1 - p)))
+  assert np.isnan(metrics.auc(s, np.ones(300)))

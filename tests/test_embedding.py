@@ -359,3 +359,17 @@ def test_metrics_count_unique_ids_globally():
   distinct = len(np.unique(np.concatenate([ids["bag"].ravel(), ids["seq"].ravel()])))
   assert int(m["t"].unique_ids) == distinct
   assert int(m["t"].invalid_ids) == 0
+
+
+def test_plan_gives_the_lookups_residuals_without_reading_rows():
+  emb = _emb(8, pe.SGD(0.5))
+  state = emb.init(jax.random.key(0))
+  ids = _batch(np.random.default_rng(1))
+  acts, res = emb.lookup(state, ids)
+  planned = emb.plan(ids)
+  for a, b in zip(jax.tree.leaves(res), jax.tree.leaves(planned)):
+    np.testing.assert_array_equal(a, b)
+  grads = {k: jnp.ones_like(v) for k, v in acts.items()}
+  s1, _ = emb.apply_gradients(jax.tree.map(jnp.copy, state), res, grads)
+  s2, _ = emb.apply_gradients(state, planned, grads)
+  np.testing.assert_array_equal(emb.logical_table(s1, "t"), emb.logical_table(s2, "t"))

@@ -19,6 +19,8 @@ import pallas_emb as pe
 from conftest import make_mesh
 from pallas_emb import data as data_lib
 from pallas_emb import main as main_lib
+from pallas_emb.data.feed import GlobalBatches
+from pallas_emb.model import build_ranking
 from pallas_emb.train.checkpoint import Checkpointer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,10 +118,9 @@ def test_kill_and_resume_is_bit_identical(tmp_path):
 
 def _trainer(num_devices, tmp_path=None):
   dataset = data_lib.SyntheticClickLog(num_users=500, num_items=300, eval_examples=256)
-  emb, model = main_lib.build(dataset, make_mesh(num_devices), emb_dim=8,
-                              optimizer=pe.RowWiseAdagrad(0.05, half_life_steps=None),
-                              backend="xla", seed=0)
-  feeder = main_lib._Feeder(emb, dataset, 64)
+  emb, model = build_ranking(dataset, make_mesh(num_devices), emb_dim=8, backend="xla",
+                             optimizer=pe.RowWiseAdagrad(0.05, half_life_steps=None))
+  feeder = GlobalBatches(dataset, 64, emb.sharding())
   trainer = pe.make_trainer(emb, model.loss, optax.adam(1e-3), pe.TrainConfig(),
                             feeder.train(0))
   state = trainer.init(model.init(jax.random.key(1)), emb.init(jax.random.key(2)),

@@ -189,12 +189,10 @@ class Checkpointer:
         if tr.config.exact or step == 0:
           pending[name] = async_emb.empty_gradient_update(ctx)
           continue
-        routed = async_emb.lookup_start(ctx, tables[name].table, ids(pending_batch))
-        update = async_emb.make_gradient_update(
-            ctx, routed, {f: jnp.zeros_like(a) for f, a in routed.acts.items()})
-        pending[name] = update._replace(
-            grads=_jit_device_grads(ctx, saved["grads"]),
-            pending=saved["pending"])
+        # The routing is a function of the ids: plan it again on this mesh.
+        routed = ctx.embedding.plan(ids(pending_batch))[name]
+        pending[name] = async_emb.gradient_update_from(
+            routed, _jit_device_grads(ctx, saved["grads"]), saved["pending"])
     return TrainState(item["params"], item["opt_state"], tables, pending,
                       lookups, item["step"])
 

@@ -1,0 +1,52 @@
+"""Host batches -> global device arrays, each process feeding its slice."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from pallas_emb.data.base import DataError
+
+
+class GlobalBatches:
+  """Turns a dataset's host batches into batch-sharded global arrays.
+
+  Every process builds the same global batch (datasets are deterministic by
+  index) and contributes the rows its devices hold, via
+  `jax.make_array_from_process_local_data`; with one process that is the
+  whole batch.
+
+  Args:
+    dataset: a `Dataset`.
+    batch_size: global batch size, a multiple of the process count.
+    sharding: the batch sharding (rows over the data axis).
+  """
+
+  def __init__(self, dataset, batch_size: int, sharding: jax.sharding.Sharding):
+    self.dataset, self.batch_size, self.sharding = dataset, batch_size, sharding
+    n = jax.process_count()
+    if batch_size % n:
+      raise DataError(f"batch size {batch_size} must be a multiple of the {n} "
+                      "processes: each feeds an equal slice.")
+    self.lo = jax.process_index() * batch_size // n
+    self.hi = self.lo + batch_size // n
+
+  def put(self, batch: dict) -> dict:
+    """A host batch (global rows) -> global arrays (this process's slice)."""
+    batch = {k: v for k, v in batch.items() if k != "true_logit"}
+
+    def one(x):
+      x = np.asarray(x)
+      return jax.make_array_from_process_local_data(
+          self.sharding, x[self.lo:self.hi], x.shape)
+
+    return jax.tree.map(one, batch)
+
+  def train(self, index: int) -> dict:
+    """Training batch `index` as global arrays."""
+    return self.put(self.dataset.train_batch(index, self.batch_size))
+
+  def eval(self):
+    """The held-out batches as (global arrays, host batch) pairs."""
+    for batch in self.dataset.eval_batches(self.batch_size):
+      yield self.put(batch), batch
