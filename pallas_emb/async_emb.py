@@ -48,7 +48,8 @@ from sharding.layout import SENTINEL
 from sharding.route import RoutePlan
 
 
-def _no_fused_update(opt) -> str:
+def no_fused_update_message(opt) -> str:
+  """The reference's sentence for an optimizer without a fused update."""
   return ("use_async_emb requires an embedding optimizer implementing "
           f"AsyncEmbOptimizer, and {type(opt).__name__} has no fused table "
           "update")
@@ -105,11 +106,11 @@ class AsyncEmbOptimizer(Protocol):
 
   def gradient_update_start(self, context, update, table, state, gate=None):
     """Launches the update -> (pins, table, state, metrics)."""
-    raise NotImplementedError(_no_fused_update(self))
+    raise NotImplementedError(no_fused_update_message(self))
 
   def gradient_update_done(self, context, gate=None):
     """Collects the update -> (norm, valid, done_pin)."""
-    raise NotImplementedError(_no_fused_update(self))
+    raise NotImplementedError(no_fused_update_message(self))
 
 
 def supports_async_emb(opt: Any) -> bool:
@@ -331,7 +332,7 @@ def _tie(x, gate):
 
 
 def _check_table(context: AsyncEmbContextHandle, table) -> None:
-  context.embedding._check_state(
+  context.embedding.check_tables(
       {context.name: TableState(table, {}, None)}, [context.name])
 
 
@@ -416,7 +417,7 @@ def gradient_update_start(context: AsyncEmbContextHandle,
   """
   opt = context.spec.optimizer
   if not supports_async_emb(opt):
-    raise NotImplementedError(_no_fused_update(opt))
+    raise NotImplementedError(no_fused_update_message(opt))
   return opt.gradient_update_start(context, update, table, state, gate)
 
 
@@ -429,7 +430,7 @@ def gradient_update_done(context: AsyncEmbContextHandle, gate=None):
   """
   opt = context.spec.optimizer
   if not supports_async_emb(opt):
-    raise NotImplementedError(_no_fused_update(opt))
+    raise NotImplementedError(no_fused_update_message(opt))
   return opt.gradient_update_done(context, gate)
 
 

@@ -375,7 +375,13 @@ class ShardedEmbedding:
       tokens[f.table] = tokens.get(f.table, 0) + batch // self.num_shards * bag
     return tokens
 
-  def _check_state(self, tables: Mapping[str, TableState], names) -> None:
+  def check_tables(self, tables: Mapping[str, TableState], names) -> None:
+    """Validates that `tables[name]` for each name fits its spec and mesh.
+
+    Raises:
+      InputError: a missing table, a donated (deleted) buffer, or a stored
+        array whose shape or dtype is not the spec's.
+    """
     if not isinstance(tables, Mapping):
       raise InputError(f"tables must be a dict name -> TableState, got "
                        f"{type(tables).__name__}.")
@@ -476,7 +482,7 @@ class ShardedEmbedding:
       (sequence); table name -> `TableResiduals` for `apply_gradients`.
     """
     tokens = self.check_ids(ids)
-    self._check_state(tables, tokens)
+    self.check_tables(tables, tokens)
     return _lookup(self, {k: tables[k].table for k in tokens}, dict(ids))
 
   def plan(self, ids: Mapping[str, jax.Array]) -> dict[str, TableResiduals]:
@@ -511,7 +517,7 @@ class ShardedEmbedding:
     Returns:
       (tables, metrics): the updated states and table name -> `TableMetrics`.
     """
-    self._check_state(tables, residuals)
+    self.check_tables(tables, residuals)
     for name in residuals:
       for f in self.features_of(name):
         if f.name not in grads:

@@ -40,3 +40,18 @@ def keep_freed_memory() -> bool:
   mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
   # No mmap'd blocks, and trim the heap top only above 1 GiB free.
   return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+
+
+def release_free_memory() -> bool:
+  """Returns free heap pages to the OS (glibc `malloc_trim`); True if done.
+
+  For a long-lived process that kept its freed memory and now moves to
+  differently sized work (the benchmark between workloads).
+  """
+  name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
+  if not name:
+    return False
+  try:
+    return bool(ctypes.CDLL(name).malloc_trim(0))
+  except (OSError, AttributeError):
+    return False

@@ -155,16 +155,18 @@ def run(argv=()) -> dict:
   ckpt = Checkpointer(FLAGS.checkpoint_dir, trainer) if FLAGS.checkpoint_dir else None
   batch_shapes = {f.name: (FLAGS.batch_size, f.bag_size) for f in dataset.features}
   start = 0
+  counters = {"skipped": 0, "invalid": 0, "overflow": 0}
   if FLAGS.resume and ckpt is not None and ckpt.latest_step() is not None:
     state = ckpt.restore(state, feeder.train)
     start = int(jax.device_get(state.step))
+    counters.update(ckpt.metadata()["extra"].get("counters", {}))
     _log(f"resumed from step {start} of {ckpt.manager.directory}")
 
   _log(f"pallas_emb: {FLAGS.data}, {mesh.size} devices ({jax.process_count()} processes), "
        f"backend {emb.backend}, {'exact ' if config.exact else ''}"
        f"{'async' if config.use_async_emb else 'sync'} embedding update, "
        f"{FLAGS.optimizer}, tables " + ", ".join(f"{t.name}:{t.num_rows}x{t.dim}" for t in emb.tables))
-  skipped = invalid = overflow = 0
+  skipped, invalid, overflow = counters["skipped"], counters["invalid"], counters["overflow"]
   loss = initial_loss = float("nan")
   timed_examples, timed_seconds = 0, 0.0
   history = []
@@ -197,11 +199,13 @@ def run(argv=()) -> dict:
       history.append({"step": done, **ev})
       _log(f"eval at step {done}: auc {ev['auc']:.4f}  logloss {ev['logloss']:.4f}")
     if ckpt is not None and FLAGS.checkpoint_every and done % FLAGS.checkpoint_every == 0:
-      ckpt.save(state, batch_shapes, {"data_position": done})
+      ckpt.save(state, batch_shapes, {"data_position": done, "counters": {
+          "skipped": skipped, "invalid": invalid, "overflow": overflow}})
 
   if ckpt is not None and (not FLAGS.checkpoint_every or FLAGS.steps % FLAGS.checkpoint_every):
     if FLAGS.steps > start:
-      ckpt.save(state, batch_shapes, {"data_position": FLAGS.steps})
+      ckpt.save(state, batch_shapes, {"data_position": FLAGS.steps, "counters": {
+          "skipped": skipped, "invalid": invalid, "overflow": overflow}})
   state, _ = trainer.flush(state)  # the last gradient reaches the tables
   ev = evaluate(trainer, state, feeder, FLAGS.eval_batches)
   _log(f"final: step {FLAGS.steps}  train loss {loss:.4f}  eval auc {ev['auc']:.4f}  "

@@ -72,7 +72,7 @@ def _finish(proc):
 
 def test_short_run_learns(tmp_path):
   # Measured: 150 steps of 512 reach eval AUC ~0.72 (the planted model's own
-  # AUC is ~0.80); 0.65 leaves room for seed-to-seed variation.
+  # AUC is 0.83); 0.65 leaves room for seed-to-seed variation.
   report = _run_in_process("--steps=150", "--batch_size=512", "--log_every=1000",
                            f"--report_json={tmp_path}/r.json")
   saved = json.loads((tmp_path / "r.json").read_text())

@@ -33,14 +33,14 @@ class Dataset(Protocol):
 
   @property
   def features(self) -> tuple[FeatureInfo, ...]:
-    ...
+    """The categorical features, in model input order."""
 
   @property
   def num_dense(self) -> int:
-    ...
+    """Dense (float) inputs per example."""
 
   def train_batch(self, index: int, batch_size: int) -> dict:
-    ...
+    """Training batch `index`, a pure function of the dataset and index."""
 
   def eval_batches(self, batch_size: int) -> Iterator[dict]:
-    ...
+    """The held-out set; the last batch zero-weighted past its end."""

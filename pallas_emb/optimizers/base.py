@@ -51,14 +51,14 @@ class EmbeddingOptimizer(Protocol):
   """The structural interface every embedding optimizer implements."""
 
   def slot_specs(self) -> Mapping[str, SlotSpec]:
-    ...
+    """Slot name -> `SlotSpec` of the per-row state kept beside the table."""
 
   def scalars(self, step: jax.Array) -> NamedTuple:
-    ...
+    """The step's scalar hyperparameters, float32, computed outside kernels."""
 
   def update_rows(self, rows: jax.Array, slots: Slots, grads: jax.Array,
                   scalars: NamedTuple) -> tuple[jax.Array, dict[str, jax.Array]]:
-    ...
+    """(rows, slots) of a block of touched rows after one step; pure."""
 
 
 def check_learning_rate(owner: str, lr: LearningRate) -> None:

@@ -8,10 +8,11 @@ and never saves it). Nothing saved depends on the device count:
 * tables and slots are saved in their physical layout together with it, and
   restored through `RowLayout.reshard` when the shard count changed;
 * the pending gradient is saved per feature, as (B, L, dim) token gradients
-  in batch order, not in the per-device order of the routing;
-* routing plans and the started lookup are not saved: they are functions of
-  the ids (and of the restored table), so restore recomputes them from the
-  batches at the data position, which the caller supplies.
+  in batch order, not in the per-device order of the routing; so are the
+  embeddings of the started lookup (B, dim) or (B, L, dim);
+* routing plans are not saved: they are functions of the ids, so restore
+  plans them again on its own mesh from the batches at the data position,
+  which the caller supplies.
 
 A run restored onto the same mesh continues bit-for-bit as if never stopped.
 """

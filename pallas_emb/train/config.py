@@ -69,7 +69,7 @@ def validate_config(config: TrainConfig, emb_optimizer) -> None:
       capable = ", ".join(
           c.__name__ for c in async_emb.registered_async_emb_optimizers())
       raise ConfigError(
-          f"{async_emb._no_fused_update(opt)} "  # pylint: disable=protected-access
+          f"{async_emb.no_fused_update_message(opt)} "
           f"(got {opt!r}). Use an optimizer that implements it: {capable} "
           "(AsyncEmbAdam = LazyAdam), or any class that implements "
           "gradient_update_start and gradient_update_done; or set "
