@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from typing import Any, Mapping, NamedTuple, Optional, Protocol, Sequence, runtime_checkable
 
 import jax
@@ -151,7 +152,9 @@ class AsyncEmbContextHandle:
     data_axis: the mesh axes the tokens are sharded over (== (table_axis,)).
     tokens_per_batch: ids per global batch over all the table's features.
     emb_width: the row width (the table's dim).
-    num_unique: unique-id capacity per data shard.
+    num_unique: unique-id capacity per data shard as asked; the buffers hold
+      `embedding.routing(...).capacities.unique` (rounded up to 8, capped at
+      the vocabulary).
     group_size: devices along table_axis.
     tokens_per_rank: tokens_per_batch // group_size.
   """
@@ -202,7 +205,7 @@ class AsyncEmbContextHandle:
           "context.reset().")
 
   def _arm(self, record: _InFlight) -> None:
-    self._check_idle("gradient_update_start")
+    # The caller checked `_check_idle` before tracing the update.
     self._in_flight["update"] = record
 
   def _disarm(self) -> _InFlight:
@@ -247,7 +250,7 @@ def make_context_handle(
     tokens_per_batch: ids per global batch, over all features of the table.
     emb_width: the table's dim.
     num_unique: unique-id capacity per data shard (overflow is dropped and
-      counted).
+      counted), rounded up to a multiple of 8 and capped at the vocabulary.
     table: the table's `TableSpec`.
     features: the features that read it; default one sequence feature named
       like the table.
@@ -282,14 +285,20 @@ def make_context_handle(
         f"but the communicator (table_axis {table_axis!r}) has {group} ranks: "
         "more than one token shard per communicator rank is not supported; "
         f"use data_axis={table_axis!r}.")
-  if not isinstance(tokens_per_batch, int) or tokens_per_batch < 1 or tokens_per_batch % group:
+  for field, value in (("tokens_per_batch", tokens_per_batch), ("emb_width", emb_width),
+                       ("num_unique", num_unique)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+      raise ValueError(f"{field} must be an int, got {value!r} of type "
+                       f"{type(value).__name__}.")
+  tokens_per_batch, emb_width, num_unique = int(tokens_per_batch), int(emb_width), int(num_unique)
+  if tokens_per_batch < 1 or tokens_per_batch % group:
     raise ValueError(
         f"tokens_per_batch={tokens_per_batch!r} must be a positive multiple "
         f"of the group size {group} (devices along {table_axis!r}).")
   if emb_width != table.dim:
     raise ValueError(f"emb_width={emb_width} does not match table "
                      f"{table.name!r}'s dim={table.dim}.")
-  if not isinstance(num_unique, int) or num_unique < 1:
+  if num_unique < 1:
     raise ValueError(f"num_unique must be a positive int, got {num_unique!r}.")
   if num_devices_per_node is not None and (
       num_devices_per_node < 1 or mesh.size % num_devices_per_node):
@@ -331,9 +340,10 @@ def _tie(x, gate):
   return x
 
 
-def _check_table(context: AsyncEmbContextHandle, table) -> None:
+def _check_table(context: AsyncEmbContextHandle, table, slots=None) -> None:
   context.embedding.check_tables(
-      {context.name: TableState(table, {}, None)}, [context.name])
+      {context.name: TableState(table, dict(slots or {}), None)}, [context.name],
+      slots=slots is not None)
 
 
 def lookup_start(context: AsyncEmbContextHandle, table: jax.Array,
@@ -406,6 +416,18 @@ def gradient_update_start(context: AsyncEmbContextHandle,
                           state: EmbOptState, gate=None):
   """Launches the table's optimizer update; see `AsyncEmbOptimizer`.
 
+  Args:
+    context: the table's context.
+    update: the `AsyncEmbGradientUpdate` to apply (from
+      `make_gradient_update`, or `empty_gradient_update`).
+    table: (S * rows_per_shard, storage_width) the stored table
+      (`TableState.table`), float32 or uint32 words of bfloat16.
+    state: its `EmbOptState` (slots (S * rows_per_shard, width), step).
+    gate: any array; the update starts only after it is computed.
+
+  `table` and `state` are donated when called eagerly (inside a jitted step
+  the step's own donation applies): use the ones returned.
+
   Returns:
     (pins, table, state, metrics): pins = (grad_norm, applied) arrays of the
     update; the updated table and `EmbOptState`; metrics: dict of
@@ -447,7 +469,7 @@ def fused_gradient_update_start(opt, context: AsyncEmbContextHandle,
         "on the table's optimizer (or use async_emb.gradient_update_start).")
   context._check_idle("gradient_update_start")
   _check_update(context, update)
-  _check_table(context, table)
+  _check_table(context, table, state.slots)
   res = TableResiduals(
       unique_keys=update.unique_tokens, inverse=update.segment_ids,
       weights=(), plan=update.plan, num_invalid=update.num_invalid,

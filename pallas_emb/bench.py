@@ -57,19 +57,25 @@ import pallas_emb as pe  # noqa: E402
 from pallas_emb import host_memory  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("json", None, "Write the results to this JSON file.", required=True)
-flags.DEFINE_list("vocab", ["1000000", "10000000"], "Table sizes V (rows).")
-flags.DEFINE_list("ids", ["65536"], "Ids per step N.")
-flags.DEFINE_integer("dim", 128, "Row width D.")
-flags.DEFINE_integer("steps", 30, "Timed steps per method and workload (>= 20 recommended).")
-flags.DEFINE_integer("warmup", 3, "Untimed steps first (compilation, first touch).")
-flags.DEFINE_list("methods", ["fused", "dense", "fbgemm"], "Methods to time.")
-flags.DEFINE_string("plot", None, "Write a log-log plot of step time vs V here (.png).")
-flags.DEFINE_integer("pipeline_steps", 40, "Steps of the async vs exact pipeline comparison (0: skip).")
-flags.DEFINE_integer("pipeline_devices", 8, "Devices of the pipeline comparison (simulated on CPU).")
-flags.DEFINE_integer("pipeline_batch_size", 1024, "Batch size of the pipeline comparison.")
-flags.DEFINE_bool("keep_freed_memory", True, "Keep freed heap memory (see pallas_emb.host_memory); "
-                  "--nokeep_freed_memory measures with the allocator's defaults.")
+
+
+def define_flags() -> None:
+  """The program's flags; defined only when it runs, so that importing this
+  module (the notebook does) adds none to the importer's absl flags."""
+  flags.DEFINE_string("json", None, "Write the results to this JSON file.", required=True)
+  flags.DEFINE_list("vocab", ["1000000", "10000000"], "Table sizes V (rows).")
+  flags.DEFINE_list("ids", ["65536"], "Ids per step N.")
+  flags.DEFINE_integer("dim", 128, "Row width D.")
+  flags.DEFINE_integer("steps", 30, "Timed steps per method and workload (>= 20 recommended).")
+  flags.DEFINE_integer("warmup", 3, "Untimed steps first (compilation, first touch).")
+  flags.DEFINE_list("methods", ["fused", "dense", "fbgemm"], "Methods to time.")
+  flags.DEFINE_string("plot", None, "Write a log-log plot of step time vs V here (.png).")
+  flags.DEFINE_integer("pipeline_steps", 40, "Steps of the async vs exact pipeline comparison (0: skip).")
+  flags.DEFINE_integer("pipeline_devices", 8, "Devices of the pipeline comparison (simulated on CPU).")
+  flags.DEFINE_integer("pipeline_batch_size", 1024, "Batch size of the pipeline comparison.")
+  flags.DEFINE_bool("keep_freed_memory", True, "Keep freed heap memory (see pallas_emb.host_memory); "
+                    "--nokeep_freed_memory measures with the allocator's defaults.")
+
 
 LEARNING_RATE, EPS = 0.01, 1e-8
 
@@ -379,4 +385,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -33,7 +33,7 @@ from pallas_emb import kernels, packing
 from pallas_emb.errors import InputError, SpecError
 from pallas_emb.spec import FeatureSpec, TableSpec
 from sharding.dedup import dedup
-from sharding.layout import ROW_ALIGNMENT, RowLayout
+from sharding.layout import ROW_ALIGNMENT, RowLayout, round_up
 from sharding.route import RoutePlan, from_owners, plan_route, to_owners
 
 # Rows generated per iteration at init: bounds the temporary to a chunk.
@@ -82,7 +82,8 @@ class TableMetrics(NamedTuple):
   Attributes:
     unique_ids: distinct valid ids routed this step (global).
     invalid_ids: ids outside [0, num_rows), -1 padding excluded.
-    overflow_ids: distinct ids dropped for unique, route or owner capacity.
+    overflow_ids: ids dropped for unique or route capacity, counted per data
+      shard and summed (an id dropped on two shards counts twice).
     grad_norm: global L2 norm of the per-row summed gradients.
     applied: False when the norm was not finite (or the gate was closed):
       then table and slots are bit-for-bit unchanged.
@@ -93,10 +94,6 @@ class TableMetrics(NamedTuple):
   overflow_ids: jax.Array
   grad_norm: jax.Array
   applied: jax.Array
-
-
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,9 +116,9 @@ class Capacities:
     """Capacities from the spec; None fields become exact (never overflow)."""
     rps = layout.rows_per_shard
     unique = min(spec.unique_capacity or tokens_per_shard, spec.num_rows)
-    unique = _round_up(max(unique, 1), ROW_ALIGNMENT)
+    unique = round_up(max(unique, 1), ROW_ALIGNMENT)
     route = min(spec.route_capacity or unique, unique, rps)
-    route = _round_up(route, ROW_ALIGNMENT)
+    route = round_up(route, ROW_ALIGNMENT)
     owner = min(layout.num_shards * route, rps)
     return cls(unique=unique, route=route, owner=owner)
 
@@ -151,8 +148,9 @@ def lookup_shard(r: TableRouting, table: jax.Array, ids: jax.Array):
     ids: (n,) int32 this data shard's ids of every feature of the table.
 
   Returns:
-    (rows, residuals): (n, dim) float32 row per id (zero for padding, invalid
-    and overflowed ids; None without a table), and the `TableResiduals` pieces of this device
+    (rows, has_row, residuals): (n, dim) float32 row per id (zero for
+    padding, invalid and overflowed ids; None without a table), (n,) bool
+    whether the id got a row, and the `TableResiduals` pieces of this device
     (`weights` left for the caller, who knows the features, to fill).
   """
   caps = r.capacities
@@ -160,6 +158,10 @@ def lookup_shard(r: TableRouting, table: jax.Array, ids: jax.Array):
   plan = plan_route(unique.keys, rows_per_shard=r.layout.rows_per_shard,
                     num_shards=r.num_shards, route_capacity=caps.route,
                     owner_capacity=caps.owner, axis_name=r.axis)
+  # Which ids got a row: in range, and not dropped for unique or route
+  # capacity (an owner never drops one: its capacity covers all it can get).
+  has_row = (unique.inverse >= 0) & (
+      jnp.take(plan.send_slot, jnp.maximum(unique.inverse, 0)) >= 0)
   rows = None
   if table is not None:
     owner_rows = kernels.gather(table, plan.owner_rows, dtype=r.spec.dtype,
@@ -175,7 +177,7 @@ def lookup_shard(r: TableRouting, table: jax.Array, ids: jax.Array):
                          num_overflow=plan.num_overflow[None]),
       num_invalid=unique.num_invalid[None],
       num_overflow=unique.num_overflow[None])
-  return rows, residuals
+  return rows, has_row, residuals
 
 
 def update_shard(r: TableRouting, table, slots, step, res: TableResiduals,
@@ -228,6 +230,14 @@ def _place(emb: "ShardedEmbedding", tree, rows: bool = True):
   if axis_type == jax.sharding.AxisType.Explicit:
     return jax.tree.map(lambda x: jax.reshard(x, sharding), tree)
   return jax.lax.with_sharding_constraint(tree, sharding)
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+  """A global array on the host, gathered from every process if need be."""
+  if getattr(x, "is_fully_addressable", True):
+    return np.asarray(jax.device_get(x))
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def _combine(rows: jax.Array, valid: jax.Array, combiner):
@@ -375,12 +385,18 @@ class ShardedEmbedding:
       tokens[f.table] = tokens.get(f.table, 0) + batch // self.num_shards * bag
     return tokens
 
-  def check_tables(self, tables: Mapping[str, TableState], names) -> None:
+  def check_tables(self, tables: Mapping[str, TableState], names, *,
+                   slots: bool = True) -> None:
     """Validates that `tables[name]` for each name fits its spec and mesh.
+
+    Args:
+      tables: name -> `TableState`.
+      names: the tables to check.
+      slots: also check the optimizer slots (a lookup reads only the table).
 
     Raises:
       InputError: a missing table, a donated (deleted) buffer, or a stored
-        array whose shape or dtype is not the spec's.
+        array or slot whose shape or dtype is not the spec's.
     """
     if not isinstance(tables, Mapping):
       raise InputError(f"tables must be a dict name -> TableState, got "
@@ -407,6 +423,27 @@ class ShardedEmbedding:
             f"(dim={spec.dim}, dtype={spec.dtype}) over {self.num_shards} "
             f"shards stores {packing.storage_dtype(spec.dtype)}{list(expected)};"
             " build the state with this ShardedEmbedding's init() or "
+            "state_from_logical().")
+      if slots:
+        self._check_slots(name, tables[name].slots)
+
+  def _check_slots(self, name: str, slots) -> None:
+    spec = self.table_spec(name)
+    want = spec.optimizer.slot_specs()
+    if set(slots) != set(want):
+      raise InputError(
+          f"table {name!r} has slots {sorted(slots)}, but its optimizer "
+          f"{type(spec.optimizer).__name__} keeps {sorted(want)}; build the "
+          "state with init() or state_from_logical().")
+    rows = self.layout(name).num_physical_rows
+    for k, s in want.items():
+      shape = (rows, spec.dim if s.width is None else s.width)
+      x = slots[k]
+      if tuple(x.shape) != shape or np.dtype(x.dtype) != np.dtype(s.dtype):
+        raise InputError(
+            f"slot {k!r} of table {name!r} is {x.dtype}{list(x.shape)}, but "
+            f"{type(spec.optimizer).__name__} keeps {np.dtype(s.dtype)}"
+            f"{list(shape)}; build the state with init() or "
             "state_from_logical().")
 
   # -- state --------------------------------------------------------------
@@ -448,22 +485,26 @@ class ShardedEmbedding:
       value = slots.get(k)
       if value is None:
         value = np.full((spec.num_rows, width), s.init, s.dtype)
-      out[k] = put(np.asarray(value, s.dtype).reshape(spec.num_rows, width))
+      value = np.asarray(value, s.dtype)
+      if value.shape != (spec.num_rows, width):
+        raise InputError(f"slot {k!r} of table {name!r} must have shape "
+                         f"{(spec.num_rows, width)}, got {value.shape}.")
+      out[k] = put(value)
     return TableState(put(packing.to_storage(table, spec.dtype)), out,
                       jax.device_put(jnp.asarray(step, jnp.int32),
                                      self.sharding(rows=False)))
 
   def logical_table(self, tables: Mapping[str, TableState], name: str) -> np.ndarray:
-    """(num_rows, dim) host copy of a table in logical row order."""
+    """(num_rows, dim) host copy of a table in logical row order, of the
+    table's dtype. With several processes every process gets it whole."""
     spec = self.table_spec(name)
-    physical = np.asarray(jax.device_get(tables[name].table))
+    physical = _to_host(tables[name].table)
     return packing.from_storage(self.layout(name).to_logical(physical), spec.dtype)
 
   def logical_slots(self, tables: Mapping[str, TableState], name: str) -> dict[str, np.ndarray]:
     """Slot name -> (num_rows, width) host copy in logical row order."""
     layout = self.layout(name)
-    return {k: layout.to_logical(np.asarray(jax.device_get(v)))
-            for k, v in tables[name].slots.items()}
+    return {k: layout.to_logical(_to_host(v)) for k, v in tables[name].slots.items()}
 
   # -- the step ---------------------------------------------------------------
 
@@ -482,7 +523,7 @@ class ShardedEmbedding:
       (sequence); table name -> `TableResiduals` for `apply_gradients`.
     """
     tokens = self.check_ids(ids)
-    self.check_tables(tables, tokens)
+    self.check_tables(tables, tokens, slots=False)
     return _lookup(self, {k: tables[k].table for k in tokens}, dict(ids))
 
   def plan(self, ids: Mapping[str, jax.Array]) -> dict[str, TableResiduals]:
@@ -519,15 +560,20 @@ class ShardedEmbedding:
     """
     self.check_tables(tables, residuals)
     for name in residuals:
-      for f in self.features_of(name):
+      for f, w in zip(self.features_of(name), residuals[name].weights):
         if f.name not in grads:
-          raise InputError(f"grads are missing feature {f.name!r}.")
-        g = grads[f.name]
-        if g.ndim != (3 if f.combiner is None else 2) or g.shape[-1] != self.table_spec(name).dim:
           raise InputError(
-              f"gradient of feature {f.name!r} has shape {g.shape}; expected "
-              f"(B, {'L, ' if f.combiner is None else ''}"
-              f"{self.table_spec(name).dim}) like its lookup output.")
+              f"grads are missing feature {f.name!r}; pass the gradient of the "
+              "loss w.r.t. every output of lookup().")
+        g = grads[f.name]
+        want = (*w.shape, self.table_spec(name).dim)  # (B, L, dim)
+        if f.combiner is not None:
+          want = (want[0], want[2])
+        if tuple(g.shape) != want or not jnp.issubdtype(g.dtype, jnp.floating):
+          raise InputError(
+              f"gradient of feature {f.name!r} is {g.dtype}{list(g.shape)}; "
+              f"expected a float array of shape {want}, like its lookup "
+              "output.")
     return _apply_gradients(self, dict(tables), dict(residuals), dict(grads),
                             jnp.asarray(gate, jnp.bool_))
 
@@ -610,10 +656,10 @@ def lookup_table(emb: ShardedEmbedding, name: str, table: jax.Array | None,
   def shard_fn(*args):
     table, feature_ids = (None, args) if table_missing else (args[0], args[1:])
     flat = jnp.concatenate([x.reshape(-1) for x in feature_ids])
-    rows, res = lookup_shard(routing, table, flat)
+    rows, has_row, res = lookup_shard(routing, table, flat)
     outs, weights, start = [], [], 0
     for f, x in zip(feats, feature_ids):
-      valid = (x >= 0) & (x < routing.spec.num_rows)
+      valid = has_row[start:start + x.size].reshape(x.shape)
       if rows is None:
         w = _combine(jnp.zeros(x.shape + (0,)), valid, f.combiner)[1]
       else:

@@ -24,7 +24,9 @@ class VmemBudgetError(ValueError):
 
 
 class ConfigError(ValueError):
-  """A training configuration that cannot work, refused before tracing."""
+  """A configuration that cannot work, refused before anything is traced: a
+  TrainConfig whose optimizer cannot fuse, or a kernel's chunk size,
+  interpret mode or target chip."""
 
 
 class AsyncEmbStateError(RuntimeError):

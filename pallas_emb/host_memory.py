@@ -21,21 +21,26 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 
 
+def _libc():
+  """glibc's handle, or None off Linux/glibc."""
+  name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
+  if not name:
+    return None
+  try:
+    return ctypes.CDLL(name)
+  except OSError:
+    return None
+
+
 def keep_freed_memory() -> bool:
   """Tells glibc malloc to keep freed memory; True if it took effect.
 
   A no-op returning False off Linux/glibc (macOS, musl): there the allocator
   has its own policy and this module does not second-guess it.
   """
-  if not sys.platform.startswith("linux"):
-    return False
-  name = ctypes.util.find_library("c")
-  if not name:
-    return False
-  try:
-    libc = ctypes.CDLL(name)
-    mallopt = libc.mallopt
-  except (OSError, AttributeError):
+  libc = _libc()
+  mallopt = getattr(libc, "mallopt", None)
+  if mallopt is None:
     return False
   mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
   # No mmap'd blocks, and trim the heap top only above 1 GiB free.
@@ -48,10 +53,5 @@ def release_free_memory() -> bool:
   For a long-lived process that kept its freed memory and now moves to
   differently sized work (the benchmark between workloads).
   """
-  name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
-  if not name:
-    return False
-  try:
-    return bool(ctypes.CDLL(name).malloc_trim(0))
-  except (OSError, AttributeError):
-    return False
+  trim = getattr(_libc(), "malloc_trim", None)
+  return bool(trim(0)) if trim is not None else False

@@ -18,13 +18,12 @@ import time
 
 from absl import app, flags, logging
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 import pallas_emb as pe
 from pallas_emb import data as data_lib
-from pallas_emb import host_memory, packing
+from pallas_emb import host_memory
 from pallas_emb.data.feed import GlobalBatches
 from pallas_emb.model import build_ranking
 from pallas_emb.train import metrics
@@ -34,7 +33,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_integer("steps", 500, "Training steps.")
 flags.DEFINE_integer("batch_size", 1024, "Global batch size (a multiple of the device count).")
 flags.DEFINE_string("data", "synthetic", "'synthetic' or 'movielens:PATH' (u.data, ratings.dat, ratings.csv).")
-flags.DEFINE_integer("devices", 8, "Devices in the mesh; on CPU, this many simulated devices per process.")
+flags.DEFINE_integer("devices", None, "Devices per process in the mesh (default: all of them; on CPU "
+                     "8 simulated devices, or this many).")
 flags.DEFINE_enum("backend", None, ["xla", "interpret", "pallas"], "Kernel backend; default: pallas on TPU, xla elsewhere.")
 flags.DEFINE_bool("async_emb", True, "Train tables with the fused asynchronous update (--noasync_emb: synchronous sparse update).")
 flags.DEFINE_bool("exact_emb", False, "With --async_emb, apply each step's embedding gradient within the step (no staleness).")
@@ -107,17 +107,6 @@ def evaluate(trainer, state, feeder: GlobalBatches, max_batches: int = 0) -> dic
           "examples": int(keep.sum())}
 
 
-def _logical_tables(emb, tables) -> dict[str, np.ndarray]:
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  out = {}
-  for name, ts in tables.items():
-    physical = np.asarray(multihost_utils.process_allgather(ts.table, tiled=True))
-    spec = emb.table_spec(name)
-    out[name] = packing.from_storage(emb.layout(name).to_logical(physical),
-                                        spec.dtype).astype(np.float32)
-  return out
-
-
 def run(argv=()) -> dict:
   """Trains per FLAGS and returns the report."""
   del argv
@@ -130,14 +119,20 @@ def run(argv=()) -> dict:
     std_logging.getLogger("jax").setLevel(std_logging.WARNING)
   _maybe_initialize_distributed()
   devices = jax.devices()
-  if FLAGS.devices > len(devices):
-    raise app.UsageError(f"--devices={FLAGS.devices} but only {len(devices)} devices exist.")
-  if FLAGS.batch_size % FLAGS.devices:
-    raise app.UsageError(f"--batch_size={FLAGS.batch_size} must be a multiple of --devices={FLAGS.devices}.")
-  n_dev = FLAGS.devices if jax.process_count() == 1 else len(devices)
-  mesh = jax.sharding.Mesh(np.array(devices[:n_dev]), ("x",))
+  local = jax.local_device_count()
+  if FLAGS.devices is not None and FLAGS.devices > local:
+    raise app.UsageError(f"--devices={FLAGS.devices} but this process has only {local} devices.")
+  if jax.process_count() > 1:
+    mesh_devices = devices  # every process brings all its devices
+  else:
+    mesh_devices = devices[:FLAGS.devices or len(devices)]
+  if FLAGS.batch_size % len(mesh_devices):
+    raise app.UsageError(f"--batch_size={FLAGS.batch_size} must be a multiple of the "
+                         f"{len(mesh_devices)} devices of the mesh.")
+  mesh = jax.sharding.Mesh(np.array(mesh_devices), ("x",))
   dataset = data_lib.from_flag(FLAGS.data, seed=FLAGS.seed)
-  lr = FLAGS.emb_learning_rate or _DEFAULT_LR[FLAGS.optimizer]
+  lr = (_DEFAULT_LR[FLAGS.optimizer] if FLAGS.emb_learning_rate is None
+        else FLAGS.emb_learning_rate)
   emb, model = build_ranking(dataset, mesh, emb_dim=FLAGS.emb_dim,
                              optimizer=_embedding_optimizer(FLAGS.optimizer, lr),
                              backend=FLAGS.backend)
@@ -221,7 +216,8 @@ def run(argv=()) -> dict:
       "processes": jax.process_count(), "eval_history": history,
   }
   if FLAGS.save_tables:
-    tables = _logical_tables(emb, state.tables)
+    tables = {t.name: emb.logical_table(state.tables, t.name).astype(np.float32)
+              for t in emb.tables}
     if jax.process_index() == 0:
       np.savez(FLAGS.save_tables, **tables)
   if FLAGS.report_json and jax.process_index() == 0:

@@ -59,9 +59,11 @@ class TableSpec:
     layout: "mod" (row r on shard r % S) or "range" (contiguous blocks).
     unique_capacity: distinct ids per data shard per step; None = the number
       of ids per shard (never overflows). Extra distinct ids are dropped and
-      counted as overflow.
+      counted as overflow. Rounded up to a multiple of 8 and capped at
+      num_rows (see `Capacities`).
     route_capacity: ids one data shard may send to one owner per step; None =
-      unique_capacity (never overflows).
+      unique_capacity (never overflows). Rounded up to a multiple of 8 and
+      capped at the rows per shard.
   """
 
   name: str
@@ -118,8 +120,9 @@ class FeatureSpec:
     name: unique feature name (the key of its ids and its output).
     table: the `TableSpec.name` it reads.
     combiner: how a bag of ids (B, L) becomes one row: "sum", "mean", "sqrtn"
-      -> (B, dim); None keeps the sequence -> (B, L, dim). Padding (-1) and
-      invalid ids contribute zero; "mean" and "sqrtn" count only valid ids.
+      -> (B, dim); None keeps the sequence -> (B, L, dim). Padding (-1),
+      invalid and capacity-dropped ids contribute zero; "mean" and "sqrtn"
+      count only the ids that got a row.
   """
 
   name: str

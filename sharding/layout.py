@@ -36,7 +36,8 @@ class LayoutError(ValueError):
   """A row layout was asked for with impossible sizes or a mismatched array."""
 
 
-def _round_up(x: int, m: int) -> int:
+def round_up(x: int, m: int) -> int:
+  """The least multiple of m that is >= x."""
   return -(-x // m) * m
 
 
@@ -81,7 +82,7 @@ class RowLayout:
   @property
   def rows_per_shard(self) -> int:
     """Physical rows on each shard, a multiple of 8."""
-    return _round_up(-(-self.num_rows // self.num_shards), ROW_ALIGNMENT)
+    return round_up(-(-self.num_rows // self.num_shards), ROW_ALIGNMENT)
 
   @property
   def num_physical_rows(self) -> int:

@@ -136,6 +136,9 @@ def test_make_context_handle_validates():
   ok = dict(data_axis="x", tokens_per_batch=32, emb_width=D, num_unique=16, table=t)
   ctx = pe.make_context_handle(mesh, "x", **ok)
   assert ctx.group_size == 4 and ctx.tokens_per_rank == 8
+  assert pe.make_context_handle(mesh, "x", **{**ok, "tokens_per_batch": np.int64(32)}) == ctx
+  with pytest.raises(ValueError, match=r"tokens_per_batch must be an int, got 32.0 of type float"):
+    pe.make_context_handle(mesh, "x", **{**ok, "tokens_per_batch": 32.0})
   assert hash(ctx) == hash(pe.make_context_handle(mesh, "x", **ok))
   with pytest.raises(ValueError, match=r"table_axis 'z' is not a mesh axis; the mesh axes are \('r', 'x'\)"):
     pe.make_context_handle(mesh, "z", **ok)

@@ -92,3 +92,16 @@ def test_auc_and_log_loss_against_direct_formulas():
   p = 1 / (1 + np.exp(-s))
   assert metrics.log_loss(s, y) == pytest.approx(-np.mean(y * np.log(p) + (1 - y) * np.log(1 - p)))
   assert np.isnan(metrics.auc(s, np.ones(300)))
+
+
+def test_movielens_needs_two_ratings(tmp_path):
+  path = _write(tmp_path, "u.data", "1\t2\t5\t100\n")
+  with pytest.raises(data.DataError, match=r"holds 1 rating; a train/eval split needs at least 2"):
+    data.MovieLens.from_file(path)
+
+
+def test_synthetic_eval_set_does_not_depend_on_the_batch_size():
+  d = data.SyntheticClickLog(eval_examples=1000)
+  a = np.concatenate([b["label"][b["weight"] > 0] for b in d.eval_batches(256)])
+  b = np.concatenate([b["label"][b["weight"] > 0] for b in d.eval_batches(1000)])
+  np.testing.assert_array_equal(a, b)

@@ -314,7 +314,7 @@ def test_bad_arguments_raise_specific_errors():
   with pytest.raises(pe.InputError, match=r"missing feature 'seq'"):
     emb.lookup(state, {"bag": ids["bag"]})
   acts, res = emb.lookup(state, ids)
-  with pytest.raises(pe.InputError, match=r"gradient of feature 'bag' has shape \(24, 8\)"):
+  with pytest.raises(pe.InputError, match=r"gradient of feature .bag. is float32\[24, 8\]; expected a float array of shape \(24, 16\)"):
     emb.apply_gradients(state, res, {"bag": jnp.ones((24, 8)), "seq": acts["seq"]})
   other = _emb(8, pe.SGD(), dim=8)
   with pytest.raises(pe.InputError, match=r"table 't' has float32\[64, 16\].*stores float32\[64, 8\]"):
@@ -373,3 +373,34 @@ def test_plan_gives_the_lookups_residuals_without_reading_rows():
   s1, _ = emb.apply_gradients(jax.tree.map(jnp.copy, state), res, grads)
   s2, _ = emb.apply_gradients(state, planned, grads)
   np.testing.assert_array_equal(emb.logical_table(s1, "t"), emb.logical_table(s2, "t"))
+
+
+def test_mean_counts_only_ids_that_got_a_row():
+  # unique_capacity 8 keeps the 8 smallest physical rows of each data shard;
+  # the others are dropped like invalid ids, also from the mean's count.
+  emb = _emb(1, pe.SGD(), combiner="mean", unique_capacity=8)
+  state = emb.init(jax.random.key(3))
+  table = emb.logical_table(state, "t")
+  ids = {"bag": np.arange(16, dtype=np.int32).reshape(1, 16).repeat(8, 0),
+         "seq": np.full((8, 1), -1, np.int32)}
+  acts, _ = emb.lookup(state, ids)
+  np.testing.assert_allclose(acts["bag"][0], table[:8].mean(0), rtol=1e-6, atol=1e-7)
+
+
+def test_slots_are_checked_on_every_backend():
+  emb = _emb(8, pe.RowWiseAdagrad())
+  state = emb.init(jax.random.key(0))
+  acts, res = emb.lookup(state, _batch(np.random.default_rng(0)))
+  rows = state["t"].table.shape[0]
+  wrong = {"t": state["t"]._replace(slots={"acc": jnp.zeros((rows, D), jnp.float32)})}
+  with pytest.raises(pe.InputError, match=r"slot 'acc' of table 't' is float32\[64, 16\], but RowWiseAdagrad keeps float32\[64, 1\]"):
+    emb.apply_gradients(wrong, res, {k: jnp.ones_like(v) for k, v in acts.items()})
+  with pytest.raises(pe.InputError, match=r"slot 'acc' of table 't' must have shape \(61, 1\), got \(1, 61\)"):
+    emb.state_from_logical("t", np.zeros((V, D)), {"acc": np.zeros((1, V))})
+
+
+def test_kernel_dispatch_refuses_unknown_backends():
+  from pallas_emb import kernels
+  with pytest.raises(pe.BackendError, match=r"backend must be one of .* got 'interp'"):
+    kernels.gather(jnp.zeros((8, 4)), jnp.zeros((8,), jnp.int32), dtype=jnp.float32,
+                   backend="interp")

@@ -96,12 +96,15 @@ class MovieLens:
     if not 0.0 < eval_fraction < 1.0:
       raise DataError(f"eval_fraction must be in (0, 1), got {eval_fraction}.")
     r = load_ratings(path)
+    if len(r) < 2:
+      raise DataError(f"MovieLens ratings file {path!r} holds {len(r)} rating; "
+                      "a train/eval split needs at least 2.")
     r = r[np.argsort(r[:, 3], kind="stable")]
     _, user = np.unique(r[:, 0].astype(np.int64), return_inverse=True)
     _, item = np.unique(r[:, 1].astype(np.int64), return_inverse=True)
     ts = r[:, 3].astype(np.int64)
     n = len(r)
-    num_train = min(max(int(round(n * (1 - eval_fraction))), 1), n - 1) if n > 1 else n
+    num_train = min(max(int(round(n * (1 - eval_fraction))), 1), n - 1)
     return cls(user=user.astype(np.int32), item=item.astype(np.int32),
                hour=((ts // 3600) % 24).astype(np.int32),
                weekday=((ts // 86400 + 4) % 7).astype(np.int32),  # 1970-01-01: Thursday

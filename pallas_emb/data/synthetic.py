@@ -21,8 +21,14 @@ import numpy as np
 
 from pallas_emb.data.base import FeatureInfo
 
-# Training batch i uses stream (seed, 0, i); eval batch k uses (seed, 1, k).
+# Training batch i uses stream (seed, 0, i); the eval set stream (seed, 1).
 _TRAIN, _EVAL = 0, 1
+
+
+def _take_examples(tree: dict, idx: np.ndarray) -> dict:
+  """Rows `idx` of every array of a (nested) batch dict."""
+  return {k: _take_examples(v, idx) if isinstance(v, dict) else v[idx]
+          for k, v in tree.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,11 +105,17 @@ class SyntheticClickLog:
     return self._examples(np.random.default_rng([self.seed, _TRAIN, index]),
                           batch_size)
 
+  @functools.cached_property
+  def _eval_set(self) -> dict:
+    return self._examples(np.random.default_rng([self.seed, _EVAL]),
+                          self.eval_examples)
+
   def eval_batches(self, batch_size: int) -> Iterator[dict]:
-    """The held-out set in batches of `batch_size` (last one zero-weighted
-    where it runs past the set)."""
-    for k, start in enumerate(range(0, self.eval_examples, batch_size)):
-      batch = self._examples(np.random.default_rng([self.seed, _EVAL, k]),
-                             batch_size)
-      batch["weight"][self.eval_examples - start:] = 0.0
+    """The held-out set (the same examples whatever the batch size), in
+    batches of `batch_size`; the last one zero-weighted past the set's end."""
+    n = self.eval_examples
+    for start in range(0, n, batch_size):
+      idx = np.arange(start, start + batch_size)
+      batch = _take_examples(self._eval_set, np.minimum(idx, n - 1))
+      batch["weight"] = (idx < n).astype(np.float32)
       yield batch

@@ -14,7 +14,15 @@ from __future__ import annotations
 from pallas_emb.kernels import fused_update as _pallas_update
 from pallas_emb.kernels import gather as _pallas_gather
 from pallas_emb.kernels import xla
+from pallas_emb.errors import BackendError
 from pallas_emb.kernels.backend import BACKENDS, default_backend, resolve_backend
+
+
+def _kernel_mode(backend: str) -> bool:
+  """interpret= for a Pallas backend; refuses names that are no backend."""
+  if backend not in ("pallas", "interpret"):
+    raise BackendError(f"backend must be one of {BACKENDS}, got {backend!r}.")
+  return backend == "interpret"
 
 
 def gather(table, rows, *, dtype, backend: str):
@@ -22,7 +30,7 @@ def gather(table, rows, *, dtype, backend: str):
   if backend == "xla":
     return xla.gather(table, rows, dtype=dtype)
   return _pallas_gather.gather(table, rows, dtype=dtype,
-                               interpret=backend == "interpret")
+                               interpret=_kernel_mode(backend))
 
 
 def fused_update(table, slots, rows, grads, scalars, apply, *, optimizer,
@@ -33,7 +41,7 @@ def fused_update(table, slots, rows, grads, scalars, apply, *, optimizer,
                             optimizer=optimizer, dtype=dtype)
   return _pallas_update.fused_update(table, slots, rows, grads, scalars,
                                      apply, optimizer=optimizer, dtype=dtype,
-                                     interpret=backend == "interpret")
+                                     interpret=_kernel_mode(backend))
 
 
 __all__ = ["BACKENDS", "default_backend", "fused_update", "gather",

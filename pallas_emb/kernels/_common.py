@@ -13,6 +13,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_emb import packing
 from pallas_emb.errors import ConfigError, InputError, VmemBudgetError
+from sharding.layout import round_up  # noqa: F401  (re-exported for the kernels)
 
 # TPU vregs are (8, 128) 32-bit words: VMEM buffers round rows up to 8
 # sublanes and columns up to 128 lanes, so a (C, 1) slot buffer costs as much
@@ -36,10 +37,6 @@ _KIND_ALIASES = {"v4 lite": "v4i", "v5 lite": "v5e", "v5": "v5p",
                  "v6 lite": "v6e"}
 
 Target = Union[None, str, pltpu.ChipVersion, pltpu.TpuInfo]
-
-
-def round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
 
 
 def padded_words(rows: int, cols: int) -> int:

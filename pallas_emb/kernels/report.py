@@ -22,10 +22,14 @@ from pallas_emb.kernels.fused_update import (
     DEFAULT_CHUNK_ROWS, fused_update, vmem_footprint_bytes)
 from pallas_emb.optimizers import RowWiseAdagrad
 
-flags.DEFINE_integer("rows", 256, "Row ids U in the call.")
-flags.DEFINE_integer("dim", 128, "Row width D.")
-flags.DEFINE_integer("repeats", 5, "Timed interpret-mode calls.")
 FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """Defined only when run, so importing this module adds no absl flags."""
+  flags.DEFINE_integer("rows", 256, "Row ids U in the call.")
+  flags.DEFINE_integer("dim", 128, "Row width D.")
+  flags.DEFINE_integer("repeats", 5, "Timed interpret-mode calls.")
 
 
 def report(num_ids: int, dim: int, repeats: int) -> None:
@@ -70,4 +74,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

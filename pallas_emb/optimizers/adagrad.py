@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_emb.optimizers.base import (
-    FusedAsyncEmbUpdate, LearningRate, SlotSpec, check_learning_rate, check_range, learning_rate_at)
+    LearningRate, SlotSpec, check_learning_rate, check_range, learning_rate_at)
+from pallas_emb.optimizers.fused_async import FusedAsyncEmbUpdate
 
 
 class AdagradScalars(NamedTuple):

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_emb.optimizers.base import (
-    FusedAsyncEmbUpdate, LearningRate, SlotSpec, check_learning_rate, check_range, learning_rate_at)
+    LearningRate, SlotSpec, check_learning_rate, check_range, learning_rate_at)
+from pallas_emb.optimizers.fused_async import FusedAsyncEmbUpdate
 
 
 class AdamScalars(NamedTuple):

@@ -72,7 +72,10 @@ class OptaxRows:
             f"OptaxRows: state leaf {i} has shape {leaf.shape} for a row of "
             f"{_PROBE_DIM}; only row-shaped and scalar leaves are supported.")
       if leaf.size and not (leaf == leaf.flat[0]).all():
-        raise SpecError(f"OptaxRows: state leaf {i} does not start uniform.")
+        raise SpecError(
+            f"OptaxRows: state leaf {i} starts as {leaf.tolist()}, not one "
+            "value repeated, so it cannot be stored as a per-row slot with one "
+            "initial value; use an element-wise optax transformation.")
       specs[f"s{i}"] = SlotSpec(width=None if leaf.shape else 1,
                                 dtype=leaf.dtype,
                                 init=float(leaf.flat[0]) if leaf.size else 0.0)

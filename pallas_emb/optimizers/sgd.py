@@ -8,7 +8,8 @@ from typing import NamedTuple
 import jax
 
 from pallas_emb.optimizers.base import (
-    FusedAsyncEmbUpdate, LearningRate, check_learning_rate, learning_rate_at)
+    LearningRate, check_learning_rate, learning_rate_at)
+from pallas_emb.optimizers.fused_async import FusedAsyncEmbUpdate
 
 
 class SGDScalars(NamedTuple):

@@ -29,7 +29,7 @@ import orbax.checkpoint as ocp
 
 from pallas_emb import async_emb
 from pallas_emb.embedding import TableState
-from pallas_emb.train.step import Trainer, TrainState
+from pallas_emb.train.step import Trainer, TrainState, table_features
 from sharding.layout import RowLayout
 
 
@@ -142,11 +142,15 @@ class Checkpointer:
                             f"{self.manager.directory}.")
     meta = self.metadata(step)
     self._check_compatible(meta)
-    same_layout = meta["num_shards"] == tr.emb.num_shards
+    # A table keeps its physical order only if both the shard count and the
+    # layout kind are unchanged; otherwise it goes through logical order.
+    same_layout = {t.name: meta["num_shards"] == tr.emb.num_shards
+                   and meta["tables"][t.name]["layout"] == t.layout
+                   for t in tr.emb.tables}
     as_abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
     tables_target = {}
     for name, ts in template.tables.items():
-      if same_layout:
+      if same_layout[name]:
         tables_target[name] = jax.tree.map(as_abstract, _table_dict(ts))
       else:
         old = RowLayout(meta["tables"][name]["num_rows"], meta["num_shards"],
@@ -175,7 +179,7 @@ class Checkpointer:
 
     tables = {}
     for name, d in item["tables"].items():
-      if same_layout:
+      if same_layout[name]:
         tables[name] = TableState(d["table"], dict(d["slots"]), d["step"])
       else:
         tables[name] = self._reshard(name, meta, d)
@@ -183,15 +187,15 @@ class Checkpointer:
     if tr.contexts:
       pending_batch, next_batch = batch_at(step - 1), batch_at(step)
       for name, ctx in tr.contexts:
-        ids = lambda b: {f.name: b["ids"][f.name] for f in ctx.embedding.features}
-        started = async_emb.lookup_start(ctx, tables[name].table, ids(next_batch))
+        started = async_emb.lookup_start(
+            ctx, tables[name].table, table_features(ctx, next_batch["ids"]))
         lookups[name] = started._replace(acts=dict(item["lookup_acts"][name]))
         saved = item["pending"][name]
         if tr.config.exact or step == 0:
           pending[name] = async_emb.empty_gradient_update(ctx)
           continue
         # The routing is a function of the ids: plan it again on this mesh.
-        routed = ctx.embedding.plan(ids(pending_batch))[name]
+        routed = ctx.embedding.plan(table_features(ctx, pending_batch["ids"]))[name]
         pending[name] = async_emb.gradient_update_from(
             routed, _jit_device_grads(ctx, saved["grads"]), saved["pending"])
     return TrainState(item["params"], item["opt_state"], tables, pending,

@@ -50,8 +50,8 @@ class TrainState(NamedTuple):
     params: dense parameters.
     opt_state: their optax state.
     tables: table name -> `TableState`.
-    pending: table name -> the deferred `AsyncEmbGradientUpdate` (async);
-      an empty update otherwise.
+    pending: table name -> the deferred `AsyncEmbGradientUpdate` (async
+      pipeline); an empty update (exact); {} (sync).
     lookups: table name -> the started `EmbLookup` of the next batch (async
       and exact pipelines); empty for sync.
     step: () int32 steps taken.
@@ -65,12 +65,9 @@ class TrainState(NamedTuple):
   step: jax.Array
 
 
-def _feature_ids(ctx: AsyncEmbContextHandle, ids):
-  return {f.name: ids[f.name] for f in ctx.embedding.features}
-
-
-def _feature_grads(ctx: AsyncEmbContextHandle, grads):
-  return {f.name: grads[f.name] for f in ctx.embedding.features}
+def table_features(ctx: AsyncEmbContextHandle, per_feature: Mapping):
+  """The entries of a feature -> array dict that belong to ctx's table."""
+  return {f.name: per_feature[f.name] for f in ctx.embedding.features}
 
 
 def _table_metrics(m: Mapping[str, jax.Array], pending, norm, valid):
@@ -106,7 +103,7 @@ class Trainer:
     lookups, pending = {}, {}
     for name, ctx in self.contexts:
       lookups[name] = async_emb.lookup_start(
-          ctx, tables[name].table, _feature_ids(ctx, batch["ids"]))
+          ctx, tables[name].table, table_features(ctx, batch["ids"]))
       pending[name] = async_emb.empty_gradient_update(ctx)
     # Replicated on the mesh, as the step returns them: otherwise the second
     # step would see new input shardings and compile again.
@@ -205,7 +202,7 @@ def _jit_step(tr: Trainer, state: TrainState, batch, next_batch):
   emb_metrics = {}
   for name, ctx in tr.contexts:
     this_step = async_emb.make_gradient_update(
-        ctx, state.lookups[name], _feature_grads(ctx, g_acts))
+        ctx, state.lookups[name], table_features(ctx, g_acts))
     if tr.config.exact:
       applied_update = this_step
       tables[name], started[name] = _start(ctx, this_step, tables[name], loss)
@@ -217,7 +214,7 @@ def _jit_step(tr: Trainer, state: TrainState, batch, next_batch):
     emb_metrics[name] = _table_metrics(started[name], applied_update.pending,
                                        norm, valid)
     lookups[name] = async_emb.lookup_start(
-        ctx, tables[name].table, _feature_ids(ctx, next_batch["ids"]), gate=pin)
+        ctx, tables[name].table, table_features(ctx, next_batch["ids"]), gate=pin)
   return (TrainState(params, opt_state, tables, pending, lookups,
                      state.step + 1),
           {"loss": loss, "aux": aux, "emb": emb_metrics})
