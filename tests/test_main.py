@@ -29,7 +29,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _run_in_process(*args):
   flags.FLAGS.unparse_flags()
-  flags.FLAGS(["pallas_emb", *args])
+  # This process has 9 simulated devices (conftest); the job uses 8 of them.
+  flags.FLAGS(["pallas_emb", "--devices=8", *args])
   return main_lib.run()
 
 
