@@ -1,34 +1,74 @@
 """pallas_emb: row-sharded embedding tables for JAX with fused, asynchronous
-optimizer updates written as Pallas TPU kernels."""
+optimizer updates written as Pallas TPU kernels.
 
-from pallas_emb.async_emb import (
-    AsyncEmbContextHandle, AsyncEmbGradientUpdate, AsyncEmbOptimizer,
-    EmbLookup, EmbOptState, empty_gradient_update, gradient_update_done,
-    gradient_update_start, lookup_done, lookup_start, make_context_handle,
-    make_gradient_update, supports_async_emb)
-from pallas_emb.embedding import (
-    Capacities, ShardedEmbedding, TableMetrics, TableResiduals, TableState)
-from pallas_emb.errors import (
-    AsyncEmbStateError, BackendError, ConfigError, InputError, SpecError,
-    VmemBudgetError)
-from pallas_emb.optimizers import (
-    SGD, Adagrad, AsyncEmbAdam, EmbeddingOptimizer, LazyAdam, OptaxRows,
-    RowWiseAdagrad, SlotSpec)
-from pallas_emb.spec import FeatureSpec, TableSpec, default_initializer
-from pallas_emb.train import TrainConfig, TrainState, Trainer, make_trainer, validate_config
+The public names below load on first use, so importing a leaf module (say
+`pallas_emb.kernels` or `pallas_emb.optimizers`) does not load the layers
+above it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Adagrad", "AsyncEmbAdam", "AsyncEmbContextHandle",
-    "AsyncEmbGradientUpdate", "AsyncEmbOptimizer", "AsyncEmbStateError",
-    "BackendError", "Capacities", "ConfigError", "EmbLookup", "EmbOptState",
-    "EmbeddingOptimizer", "FeatureSpec", "InputError", "LazyAdam", "OptaxRows",
-    "RowWiseAdagrad", "SGD", "ShardedEmbedding", "SlotSpec", "SpecError",
-    "TableMetrics", "TableResiduals", "TableSpec", "TableState", "TrainConfig",
-    "TrainState", "Trainer", "VmemBudgetError", "default_initializer",
-    "empty_gradient_update", "gradient_update_done", "gradient_update_start",
-    "lookup_done", "lookup_start", "make_context_handle",
-    "make_gradient_update", "make_trainer", "supports_async_emb",
-    "validate_config",
-]
+# Public name -> the module that defines it.
+_EXPORTS = {
+    **dict.fromkeys(
+        ["AsyncEmbContextHandle", "AsyncEmbGradientUpdate", "AsyncEmbOptimizer",
+         "EmbLookup", "EmbOptState", "empty_gradient_update",
+         "gradient_update_done", "gradient_update_start", "lookup_done",
+         "lookup_start", "make_context_handle", "make_gradient_update",
+         "supports_async_emb"], "pallas_emb.async_emb"),
+    "Capacities": "pallas_emb.capacity",
+    "ShardedEmbedding": "pallas_emb.embedding",
+    **dict.fromkeys(["TableMetrics", "TableResiduals", "TableState"],
+                    "pallas_emb.state"),
+    **dict.fromkeys(
+        ["AsyncEmbStateError", "BackendError", "ConfigError", "InputError",
+         "SpecError", "VmemBudgetError"], "pallas_emb.errors"),
+    **dict.fromkeys(
+        ["SGD", "Adagrad", "AsyncEmbAdam", "EmbeddingOptimizer", "LazyAdam",
+         "OptaxRows", "RowWiseAdagrad", "SlotSpec"], "pallas_emb.optimizers"),
+    **dict.fromkeys(["FeatureSpec", "TableSpec", "default_initializer"],
+                    "pallas_emb.spec"),
+    **dict.fromkeys(
+        ["TrainConfig", "TrainState", "Trainer", "make_trainer",
+         "validate_config"], "pallas_emb.train"),
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+  module = _EXPORTS.get(name)
+  if module is None:
+    raise AttributeError(f"module 'pallas_emb' has no attribute {name!r}")
+  value = getattr(importlib.import_module(module), name)
+  globals()[name] = value  # later lookups skip this function
+  return value
+
+
+def __dir__():
+  return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
+  from pallas_emb.async_emb import (
+      AsyncEmbContextHandle, AsyncEmbGradientUpdate, AsyncEmbOptimizer,
+      EmbLookup, EmbOptState, empty_gradient_update, gradient_update_done,
+      gradient_update_start, lookup_done, lookup_start, make_context_handle,
+      make_gradient_update, supports_async_emb)
+  from pallas_emb.capacity import Capacities
+  from pallas_emb.embedding import ShardedEmbedding
+  from pallas_emb.errors import (
+      AsyncEmbStateError, BackendError, ConfigError, InputError, SpecError,
+      VmemBudgetError)
+  from pallas_emb.optimizers import (
+      SGD, Adagrad, AsyncEmbAdam, EmbeddingOptimizer, LazyAdam, OptaxRows,
+      RowWiseAdagrad, SlotSpec)
+  from pallas_emb.spec import FeatureSpec, TableSpec, default_initializer
+  from pallas_emb.state import TableMetrics, TableResiduals, TableState
+  from pallas_emb.train import (
+      TrainConfig, TrainState, Trainer, make_trainer, validate_config)

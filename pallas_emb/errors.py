@@ -5,6 +5,8 @@ subclasses of the builtin a caller would catch anyway (`ValueError` for a bad
 argument, `RuntimeError` for a call out of order).
 """
 
+import numbers
+
 
 class SpecError(ValueError):
   """A TableSpec, FeatureSpec or optimizer was built with invalid arguments."""
@@ -31,3 +33,30 @@ class ConfigError(ValueError):
 
 class AsyncEmbStateError(RuntimeError):
   """An asynchronous embedding call made out of order (start/done/lookup)."""
+
+
+def check_int(value, name: str, *, minimum: int = 1, error: type = ValueError,
+              optional: bool = False, fix: str = "") -> int | None:
+  """`value` as an int, if it is an integer (not a bool) >= `minimum`.
+
+  The one check of a count, size or capacity: every module calls it with its
+  own exception type and, in `fix`, what to pass instead.
+
+  Args:
+    optional: None is accepted too (and returned).
+
+  Raises:
+    error: naming `name`, the value (and its type, if not an int) and the
+      lower bound.
+  """
+  if optional and value is None:
+    return None
+  alternative = " or None" if optional else ""
+  fix = f" {fix}" if fix else ""
+  if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+    raise error(f"{name} must be an int{alternative}, got {value!r} of type "
+                f"{type(value).__name__}.{fix}")
+  if value < minimum:
+    bound = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+    raise error(f"{name} must be {bound}{alternative}, got {value!r}.{fix}")
+  return int(value)

@@ -15,6 +15,7 @@ import json
 import logging as std_logging
 import os
 import time
+from typing import Any, NamedTuple
 
 from absl import app, flags, logging
 import jax
@@ -107,9 +108,8 @@ def evaluate(trainer, state, feeder: GlobalBatches, max_batches: int = 0) -> dic
           "examples": int(keep.sum())}
 
 
-def run(argv=()) -> dict:
-  """Trains per FLAGS and returns the report."""
-  del argv
+def _setup() -> jax.sharding.Mesh:
+  """Process-wide settings, multi-host initialisation and the mesh."""
   if FLAGS.keep_freed_memory:
     host_memory.keep_freed_memory()
   if FLAGS["verbosity"].using_default_value:
@@ -126,10 +126,26 @@ def run(argv=()) -> dict:
     mesh_devices = devices  # every process brings all its devices
   else:
     mesh_devices = devices[:FLAGS.devices or len(devices)]
-  if FLAGS.batch_size % len(mesh_devices):
-    raise app.UsageError(f"--batch_size={FLAGS.batch_size} must be a multiple of the "
-                         f"{len(mesh_devices)} devices of the mesh.")
-  mesh = jax.sharding.Mesh(np.array(mesh_devices), ("x",))
+  for what, n in (("devices of the mesh", len(mesh_devices)),
+                  ("processes", jax.process_count())):
+    if FLAGS.batch_size % n:
+      raise app.UsageError(f"--batch_size={FLAGS.batch_size} must be a multiple of the "
+                           f"{n} {what}.")
+  return jax.sharding.Mesh(np.array(mesh_devices), ("x",))
+
+
+class _Job(NamedTuple):
+  """What a run trains: data, tables, model, trainer and its batches."""
+
+  dataset: Any
+  emb: pe.ShardedEmbedding
+  config: pe.TrainConfig
+  feeder: GlobalBatches
+  trainer: pe.Trainer
+  state: pe.TrainState
+
+
+def _build(mesh) -> _Job:
   dataset = data_lib.from_flag(FLAGS.data, seed=FLAGS.seed)
   lr = (_DEFAULT_LR[FLAGS.optimizer] if FLAGS.emb_learning_rate is None
         else FLAGS.emb_learning_rate)
@@ -138,32 +154,41 @@ def run(argv=()) -> dict:
                              backend=FLAGS.backend)
   config = pe.TrainConfig(use_async_emb=FLAGS.async_emb,
                           exact=FLAGS.exact_emb and FLAGS.async_emb)
-  if FLAGS.batch_size % jax.process_count():
-    raise app.UsageError(f"--batch_size={FLAGS.batch_size} must be a multiple of the "
-                         f"{jax.process_count()} processes.")
   feeder = GlobalBatches(dataset, FLAGS.batch_size, emb.sharding())
   trainer = pe.make_trainer(emb, model.loss, optax.adam(FLAGS.dense_learning_rate),
                             config, feeder.train(0))
   key = jax.random.key(FLAGS.seed)
   state = trainer.init(model.init(jax.random.fold_in(key, 1)),
                        emb.init(jax.random.fold_in(key, 2)), feeder.train(0))
-  ckpt = Checkpointer(FLAGS.checkpoint_dir, trainer) if FLAGS.checkpoint_dir else None
-  batch_shapes = {f.name: (FLAGS.batch_size, f.bag_size) for f in dataset.features}
-  start = 0
-  counters = {"skipped": 0, "invalid": 0, "overflow": 0}
-  if FLAGS.resume and ckpt is not None and ckpt.latest_step() is not None:
-    state = ckpt.restore(state, feeder.train)
-    start = int(jax.device_get(state.step))
-    counters.update(ckpt.metadata()["extra"].get("counters", {}))
-    _log(f"resumed from step {start} of {ckpt.manager.directory}")
+  return _Job(dataset, emb, config, feeder, trainer, state)
 
-  _log(f"pallas_emb: {FLAGS.data}, {mesh.size} devices ({jax.process_count()} processes), "
-       f"backend {emb.backend}, {'exact ' if config.exact else ''}"
-       f"{'async' if config.use_async_emb else 'sync'} embedding update, "
-       f"{FLAGS.optimizer}, tables " + ", ".join(f"{t.name}:{t.num_rows}x{t.dim}" for t in emb.tables))
-  skipped, invalid, overflow = counters["skipped"], counters["invalid"], counters["overflow"]
+
+class _Progress:
+  """Counters of the embedding metrics and the timed throughput."""
+
+  def __init__(self, counters: dict):
+    self.counters = {"skipped": 0, "invalid": 0, "overflow": 0, **counters}
+    self.examples, self.seconds = 0, 0.0
+
+  def add(self, m: dict, elapsed: float, timed: bool) -> None:
+    if timed:  # the first step compiles
+      self.examples += FLAGS.batch_size
+      self.seconds += elapsed
+    for tm in m["emb"].values():
+      self.counters["skipped"] += int(tm["skipped"])
+      self.counters["invalid"] += int(tm["invalid_ids"])
+      self.counters["overflow"] += int(tm["overflow_ids"])
+
+  @property
+  def rate(self) -> float | None:
+    return self.examples / self.seconds if self.seconds else None
+
+
+def _train(job: _Job, ckpt, start: int, progress: _Progress):
+  """Steps start..--steps -> (state, last loss, initial loss, eval history)."""
+  state, feeder, trainer = job.state, job.feeder, job.trainer
+  batch_shapes = {f.name: (FLAGS.batch_size, f.bag_size) for f in job.dataset.features}
   loss = initial_loss = float("nan")
-  timed_examples, timed_seconds = 0, 0.0
   history = []
   batch = feeder.train(start)
   for t in range(start, FLAGS.steps):
@@ -173,48 +198,67 @@ def run(argv=()) -> dict:
     loss = float(m["loss"])  # blocks: the step is done
     if t == start:
       initial_loss = loss
-    elapsed = time.perf_counter() - tic
-    if t > start:  # the first step compiles
-      timed_examples += FLAGS.batch_size
-      timed_seconds += elapsed
-    for tm in m["emb"].values():
-      skipped += int(tm["skipped"])
-      invalid += int(tm["invalid_ids"])
-      overflow += int(tm["overflow_ids"])
+    progress.add(m, time.perf_counter() - tic, timed=t > start)
     batch = next_batch
     done = t + 1
     if done % FLAGS.log_every == 0 or done == FLAGS.steps:
       norms = " ".join(f"{k}={float(v['grad_norm']):.3g}" for k, v in m["emb"].items())
-      rate = timed_examples / timed_seconds if timed_seconds else float("nan")
+      rate = progress.rate or float("nan")
       _log(f"step {done:6d}  loss {loss:.4f}  {rate:9.0f} ex/s  emb grad norm {norms}  "
-           f"skipped {skipped}")
+           f"skipped {progress.counters['skipped']}")
     if FLAGS.eval_every and done % FLAGS.eval_every == 0 and done < FLAGS.steps:
       state, _ = trainer.flush(state)
       ev = evaluate(trainer, state, feeder, FLAGS.eval_batches)
       history.append({"step": done, **ev})
       _log(f"eval at step {done}: auc {ev['auc']:.4f}  logloss {ev['logloss']:.4f}")
-    if ckpt is not None and FLAGS.checkpoint_every and done % FLAGS.checkpoint_every == 0:
-      ckpt.save(state, batch_shapes, {"data_position": done, "counters": {
-          "skipped": skipped, "invalid": invalid, "overflow": overflow}})
+    last = done == FLAGS.steps
+    periodic = FLAGS.checkpoint_every and done % FLAGS.checkpoint_every == 0
+    if ckpt is not None and (periodic or (last and done > start)):
+      ckpt.save(state, batch_shapes, {"data_position": done,
+                                      "counters": dict(progress.counters)})
+  return state, loss, initial_loss, history
 
-  if ckpt is not None and (not FLAGS.checkpoint_every or FLAGS.steps % FLAGS.checkpoint_every):
-    if FLAGS.steps > start:
-      ckpt.save(state, batch_shapes, {"data_position": FLAGS.steps, "counters": {
-          "skipped": skipped, "invalid": invalid, "overflow": overflow}})
-  state, _ = trainer.flush(state)  # the last gradient reaches the tables
-  ev = evaluate(trainer, state, feeder, FLAGS.eval_batches)
+
+def run(argv=()) -> dict:
+  """Trains per FLAGS and returns the report."""
+  del argv
+  mesh = _setup()
+  job = _build(mesh)
+  emb, config = job.emb, job.config
+  ckpt = Checkpointer(FLAGS.checkpoint_dir, job.trainer) if FLAGS.checkpoint_dir else None
+  start, counters = 0, {}
+  if FLAGS.resume and ckpt is not None and ckpt.latest_step() is not None:
+    job = job._replace(state=ckpt.restore(job.state, job.feeder.train))
+    start = int(jax.device_get(job.state.step))
+    counters = ckpt.metadata()["extra"].get("counters", {})
+    _log(f"resumed from step {start} of {ckpt.manager.directory}")
+
+  _log(f"pallas_emb: {FLAGS.data}, {mesh.size} devices ({jax.process_count()} processes), "
+       f"backend {emb.backend}, {'exact ' if config.exact else ''}"
+       f"{'async' if config.use_async_emb else 'sync'} embedding update, "
+       f"{FLAGS.optimizer}, tables " + ", ".join(f"{t.name}:{t.num_rows}x{t.dim}" for t in emb.tables))
+  progress = _Progress(counters)
+  state, loss, initial_loss, history = _train(job, ckpt, start, progress)
+  state, _ = job.trainer.flush(state)  # the last gradient reaches the tables
+  ev = evaluate(job.trainer, state, job.feeder, FLAGS.eval_batches)
   _log(f"final: step {FLAGS.steps}  train loss {loss:.4f}  eval auc {ev['auc']:.4f}  "
        f"logloss {ev['logloss']:.4f}  ({ev['examples']} eval examples)")
   report = {
       "steps": FLAGS.steps, "final_train_loss": loss,
       "initial_train_loss": initial_loss, "eval_auc": ev["auc"],
-      "eval_logloss": ev["logloss"],
-      "examples_per_sec": timed_examples / timed_seconds if timed_seconds else None,
-      "emb_updates_skipped": skipped, "invalid_ids": invalid, "overflow_ids": overflow,
+      "eval_logloss": ev["logloss"], "examples_per_sec": progress.rate,
+      "emb_updates_skipped": progress.counters["skipped"],
+      "invalid_ids": progress.counters["invalid"],
+      "overflow_ids": progress.counters["overflow"],
       "devices": mesh.size, "backend": emb.backend, "async_emb": config.use_async_emb,
       "exact_emb": config.exact, "optimizer": FLAGS.optimizer, "data": FLAGS.data,
       "processes": jax.process_count(), "eval_history": history,
   }
+  _write_outputs(emb, state, report)
+  return report
+
+
+def _write_outputs(emb, state, report: dict) -> None:
   if FLAGS.save_tables:
     tables = {t.name: emb.logical_table(state.tables, t.name).astype(np.float32)
               for t in emb.tables}
@@ -223,7 +267,6 @@ def run(argv=()) -> dict:
   if FLAGS.report_json and jax.process_index() == 0:
     with open(FLAGS.report_json, "w") as f:
       json.dump(report, f, indent=2)
-  return report
 
 
 def main(argv):

@@ -1,4 +1,6 @@
-"""How table rows are stored: float32 as is, bfloat16 as packed 32-bit words.
+"""How table rows and their optimizer slots are stored.
+
+Rows: float32 as is, bfloat16 as packed 32-bit words.
 
 A lone bfloat16 row is not a legal DMA on TPU, whose HBM tiles pack two
 bfloat16 *rows* into each 32-bit sublane word. Reinterpreting a (V, D) bf16
@@ -13,11 +15,37 @@ the Pallas kernels round identically (round-to-nearest-even, quiet NaN).
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
+# Slots move as 32-bit words, like rows.
+SLOT_DTYPES = (np.dtype(np.float32), np.dtype(np.int32))
+
+
+class SlotSpec(NamedTuple):
+  """One per-row optimizer state array, stored beside the table.
+
+  Attributes:
+    width: columns per row; None means the table's `dim`.
+    dtype: float32 or int32.
+    init: initial value of every element.
+  """
+
+  width: int | None = None
+  dtype: Any = np.float32
+  init: float = 0.0
+
+  def width_for(self, dim: int) -> int:
+    """Columns per row of this slot for a table of width `dim`."""
+    return dim if self.width is None else self.width
+
+  def shape_for(self, num_rows: int, dim: int) -> tuple[int, int]:
+    """The stored (num_rows, width) of this slot."""
+    return (num_rows, self.width_for(dim))
 
 
 def storage_dtype(dtype) -> np.dtype:

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from pallas_emb import packing
-from pallas_emb.errors import SpecError
+from pallas_emb.errors import SpecError, check_int
 from pallas_emb.optimizers.base import EmbeddingOptimizer
 from pallas_emb.optimizers.sgd import SGD
 
@@ -31,15 +31,6 @@ def default_initializer(key, shape, dtype=np.float32):
 def _check_name(owner: str, name) -> None:
   if not isinstance(name, str) or not name:
     raise SpecError(f"{owner}: name must be a non-empty str, got {name!r}.")
-
-
-def _check_optional_capacity(owner: str, field: str, value) -> None:
-  if value is None:
-    return
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-    raise SpecError(
-        f"{owner}: {field} must be a positive int or None (exact, never "
-        f"overflows), got {value!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,9 +71,7 @@ class TableSpec:
     owner = f"TableSpec({self.name!r})"
     _check_name("TableSpec", self.name)
     for field in ("num_rows", "dim"):
-      value = getattr(self, field)
-      if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise SpecError(f"{owner}: {field} must be a positive int, got {value!r}.")
+      check_int(getattr(self, field), f"{owner}: {field}", error=SpecError)
     try:
       dtype = np.dtype(self.dtype)
     except TypeError as e:
@@ -108,8 +97,9 @@ class TableSpec:
     if self.layout not in ("mod", "range"):
       raise SpecError(f"{owner}: layout must be 'mod' or 'range', got "
                       f"{self.layout!r}.")
-    _check_optional_capacity(owner, "unique_capacity", self.unique_capacity)
-    _check_optional_capacity(owner, "route_capacity", self.route_capacity)
+    for field in ("unique_capacity", "route_capacity"):
+      check_int(getattr(self, field), f"{owner}: {field}", error=SpecError,
+                optional=True, fix="None is exact: it never overflows.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,6 +46,21 @@ class RoutePlan(NamedTuple):
   num_overflow: jax.Array
 
 
+def empty_plan(*, unique_capacity: int, num_shards: int, route_capacity: int,
+               owner_capacity: int) -> RoutePlan:
+  """The plan of a device that routes nothing (no id, no owner row).
+
+  Shaped like `plan_route`'s result for the same capacities, so an update
+  that applies nothing has the same structure as one that does.
+  """
+  full = lambda n, v: jnp.full((n,), v, jnp.int32)
+  return RoutePlan(send_slot=full(unique_capacity, -1),
+                   owner_rows=full(owner_capacity, -1),
+                   owner_inverse=full(num_shards * route_capacity, -1),
+                   num_owner_unique=jnp.zeros((), jnp.int32),
+                   num_overflow=jnp.zeros((), jnp.int32))
+
+
 def _drop_negative(idx: jax.Array, size: int) -> jax.Array:
   # JAX wraps negative indices like NumPy; send -1 out of bounds instead.
   return jnp.where(idx < 0, size, idx)

@@ -17,7 +17,7 @@ import tpu_lowering
 from conftest import make_mesh
 from pallas_emb import packing
 from pallas_emb.kernels import xla
-from pallas_emb.kernels import _common
+from pallas_emb.kernels import chip as chip_lib
 from pallas_emb.kernels.fused_update import fused_update, vmem_footprint_bytes
 from pallas_emb.kernels.gather import gather
 from pallas_emb.kernels.gather import vmem_footprint_bytes as gather_vmem_footprint_bytes
@@ -380,16 +380,16 @@ def test_vmem_budget_error_names_footprint_vmem_chunk_and_a_chunk_that_fits():
 
 
 def test_chip_targets_by_name_kind_or_version():
-  v5e = _common.resolve_chip(pltpu.ChipVersion.TPU_V5E)
-  assert _common.resolve_chip("v5e") == _common.resolve_chip("TPU v5 lite") == v5e
-  assert _common.resolve_chip("TPU v5").name == "v5p"
+  v5e = chip_lib.resolve_chip(pltpu.ChipVersion.TPU_V5E)
+  assert chip_lib.resolve_chip("v5e") == chip_lib.resolve_chip("TPU v5 lite") == v5e
+  assert chip_lib.resolve_chip("TPU v5").name == "v5p"
   # Off TPU the kernels size for the smallest VMEM of v5e, v6e and v5p.
-  assert _common.resolve_chip().vmem_bytes == min(
-      _common.resolve_chip(v).vmem_bytes for v in ("v5e", "v6e", "v5p"))
+  assert chip_lib.resolve_chip().vmem_bytes == min(
+      chip_lib.resolve_chip(v).vmem_bytes for v in ("v5e", "v6e", "v5p"))
   with tpu_lowering.tpu_target("TPU v6 lite"):
-    assert _common.resolve_chip().name == "v6e"
+    assert chip_lib.resolve_chip().name == "v6e"
   with pytest.raises(pe.ConfigError, match="v9"):
-    _common.resolve_chip("v9")
+    chip_lib.resolve_chip("v9")
 
 
 def _call_update(**overrides):

@@ -1,7 +1,9 @@
 """Row gather and fused optimizer update over one device's row shard.
 
 `gather` and `fused_update` dispatch on a backend name ("pallas",
-"interpret", "xla"); see `backend.py`. Kernels know nothing of training.
+"interpret", "xla"); see `backend.py`. A leaf of the package: kernels import
+only `errors` and `packing`, take any optimizer with `update_rows` (see
+`protocol.RowUpdate`) and know nothing of training.
 """
 
 from __future__ import annotations
@@ -14,15 +16,13 @@ from __future__ import annotations
 from pallas_emb.kernels import fused_update as _pallas_update
 from pallas_emb.kernels import gather as _pallas_gather
 from pallas_emb.kernels import xla
-from pallas_emb.errors import BackendError
-from pallas_emb.kernels.backend import BACKENDS, default_backend, resolve_backend
+from pallas_emb.kernels.backend import (
+    BACKENDS, check_name, default_backend, resolve_backend)
 
 
 def _kernel_mode(backend: str) -> bool:
   """interpret= for a Pallas backend; refuses names that are no backend."""
-  if backend not in ("pallas", "interpret"):
-    raise BackendError(f"backend must be one of {BACKENDS}, got {backend!r}.")
-  return backend == "interpret"
+  return check_name(backend) == "interpret"
 
 
 def gather(table, rows, *, dtype, backend: str):

@@ -29,11 +29,17 @@ def default_backend() -> str:
   return "pallas" if jax.default_backend() == "tpu" else "xla"
 
 
-def check_backend(backend: str) -> str:
-  """Validates a backend name; "pallas" also needs a TPU."""
+def check_name(backend: str) -> str:
+  """Validates a backend name."""
   if backend not in BACKENDS:
     raise BackendError(
         f"backend must be one of {BACKENDS}, got {backend!r}.")
+  return backend
+
+
+def check_backend(backend: str) -> str:
+  """Validates a backend name; "pallas" also needs a TPU."""
+  check_name(backend)
   if backend == "pallas" and jax.default_backend() != "tpu":
     raise BackendError(
         f"backend 'pallas' compiles Mosaic kernels and needs a TPU, but JAX's "

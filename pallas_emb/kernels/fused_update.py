@@ -23,14 +23,10 @@ buffers per array, chunk i in buffer i % 2):
 
 So the reads of chunk i+1 overlap the update of chunk i, and the writes of
 chunk i overlap the reads of chunk i+1. Every row and slot row is its own DMA
-(rows are not contiguous), all DMAs of one chunk, buffer and array share one
-DMA semaphore, and a wait is issued per DMA with the same row-sized
-descriptor, so one semaphore counts many copies in flight: up to
-2 * C * (1 + number of slots) at once.
+(`row_dma.ChunkCopies`): up to 2 * C * (1 + number of slots) in flight.
 
 Row ids are scalar-prefetched into SMEM (the scalar core computes DMA
-addresses from them). Ids outside [0, R) -- -1 padding -- are never copied,
-and their (uninitialised) buffer rows are never written back. The ids must be
+addresses from them); padding ids are never copied. The ids must be
 distinct: two DMAs writing the same row race (the interpreter's race
 detector reports it). When `apply` is false the kernel issues no DMA at all,
 so the table and slots stay bit-identical.
@@ -50,14 +46,13 @@ from typing import Mapping, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_emb import packing
-from pallas_emb.errors import InputError
-from pallas_emb.kernels import _common
-from pallas_emb.optimizers.base import EmbeddingOptimizer
+from pallas_emb.kernels import checks, row_dma
+from pallas_emb.kernels import chip as chip_lib
+from pallas_emb.kernels.protocol import RowUpdate
 
 DEFAULT_CHUNK_ROWS = 128
 
@@ -80,12 +75,11 @@ def vmem_footprint_bytes(*, dim: int, dtype, slot_widths: Sequence[int],
   """
   c = chunk_rows
   width = packing.storage_width(dim, dtype)
-  slots = sum(_common.padded_words(c, w) for w in slot_widths)
-  words = (2 * _common.padded_words(c, width) + 2 * slots
-           + 2 * _common.padded_words(c, dim)
-           + 3 * _common.padded_words(c, dim) + _common.padded_words(c, width)
-           + 2 * slots)
-  return words * _common.WORD_BYTES
+  pad = chip_lib.padded_words
+  slots = sum(pad(c, w) for w in slot_widths)
+  words = (2 * pad(c, width) + 2 * slots + 2 * pad(c, dim)
+           + 3 * pad(c, dim) + pad(c, width) + 2 * slots)
+  return words * chip_lib.WORD_BYTES
 
 
 def _update_chunk(words, slots, grads, scalars, *, optimizer, dtype):
@@ -114,49 +108,30 @@ def _update_kernel(rows_ref, apply_ref, scalars_ref, grads_ref, *refs,
   last = pl.num_programs(0) - 1
   cur, nxt = i % 2, 1 - i % 2
 
-  def dmas(step, buf, write, action):
-    """`action` on each DMA of chunk `step`: one per valid id and array."""
-    sems = write_sems if write else read_sems
-
-    def body(j, carry):
-      row = rows_ref[step * chunk + j]
-
-      # Padding (and any id off this shard) is never copied: no DMA may
-      # leave the table, and skipped rows are never written back.
-      @pl.when((row >= 0) & (row < num_rows))
-      def _():
-        for k in range(num_arrays):
-          hbm_row = hbm[k].at[pl.ds(row, 1)]
-          vmem_row = bufs[k].at[buf, pl.ds(j, 1)]
-          src, dst = (vmem_row, hbm_row) if write else (hbm_row, vmem_row)
-          action(pltpu.make_async_copy(src, dst, sems.at[buf, k]))
-
-      return carry
-
-    lax.fori_loop(0, chunk, body, 0)
-
-  start_reads = lambda step, buf: dmas(step, buf, False, lambda c: c.start())
-  wait_reads = lambda step, buf: dmas(step, buf, False, lambda c: c.wait())
-  start_writes = lambda step, buf: dmas(step, buf, True, lambda c: c.start())
-  wait_writes = lambda step, buf: dmas(step, buf, True, lambda c: c.wait())
+  def copies(step, buf, to_hbm):
+    sems = write_sems if to_hbm else read_sems
+    return row_dma.ChunkCopies(
+        rows_ref, step * chunk, hbm, [b.at[buf] for b in bufs],
+        [sems.at[buf, k] for k in range(num_arrays)], num_rows=num_rows,
+        to_hbm=to_hbm)
 
   # Not applying issues no DMA at all: nothing can be written.
   @pl.when(apply_ref[0] != 0)
   def _():
     @pl.when(i == 0)
     def _():
-      start_reads(0, 0)
+      copies(0, 0, False).start()
 
     @pl.when(i < last)
     def _():
       # Chunk i-1's write-back still reads the buffer chunk i+1 fills.
       @pl.when(i > 0)
       def _():
-        wait_writes(i - 1, nxt)
+        copies(i - 1, nxt, True).wait()
 
-      start_reads(i + 1, nxt)
+      copies(i + 1, nxt, False).start()
 
-    wait_reads(i, cur)
+    copies(i, cur, False).wait()
     scalars = scalars_type(*(scalars_ref[k]
                              for k in range(len(scalars_type._fields))))
     words, slots = _update_chunk(
@@ -165,46 +140,20 @@ def _update_kernel(rows_ref, apply_ref, scalars_ref, grads_ref, *refs,
     bufs[0][cur] = words
     for name, buf in zip(slot_names, bufs[1:]):
       buf[cur] = slots[name]
-    start_writes(i, cur)
+    copies(i, cur, True).start()
 
     # The kernel may not end with DMAs in flight.
     @pl.when(i == last)
     def _():
       @pl.when(i > 0)
       def _():
-        wait_writes(i - 1, nxt)
+        copies(i - 1, nxt, True).wait()
 
-      wait_writes(i, cur)
-
-
-def _check_slots(slots, num_rows: int, dim: int, optimizer) -> None:
-  specs = optimizer.slot_specs()
-  if set(slots) != set(specs):
-    raise InputError(
-        f"slots {sorted(slots)} do not match the slots {sorted(specs)} of "
-        f"{type(optimizer).__name__}; pass the TableState's slots.")
-  for name, spec in specs.items():
-    x = slots[name]
-    width = dim if spec.width is None else spec.width
-    want = (num_rows, width)
-    if tuple(x.shape) != want or np.dtype(x.dtype) != np.dtype(spec.dtype):
-      raise InputError(
-          f"slot {name!r} must be {np.dtype(spec.dtype)}{list(want)} (one row "
-          f"per table row), got {x.dtype}{list(x.shape)}.")
+      copies(i, cur, True).wait()
 
 
 def _flat_scalars(scalars) -> jax.Array:
-  if not (isinstance(scalars, tuple) and hasattr(type(scalars), "_fields")):
-    raise InputError(
-        f"scalars must be the NamedTuple of optimizer.scalars(step), got "
-        f"{type(scalars).__name__}.")
-  values = []
-  for name, v in zip(scalars._fields, scalars):
-    if np.size(v) != 1:
-      raise InputError(
-          f"scalar {name!r} must be a single number (it is prefetched into "
-          f"SMEM), got shape {np.shape(v)}.")
-    values.append(jnp.asarray(v, jnp.float32).reshape(()))
+  values = [jnp.asarray(v, jnp.float32).reshape(()) for v in scalars]
   # SMEM operands cannot be empty.
   return jnp.stack(values) if values else jnp.zeros((1,), jnp.float32)
 
@@ -217,11 +166,11 @@ def fused_update(
     scalars: NamedTuple,
     apply: jax.Array,
     *,
-    optimizer: EmbeddingOptimizer,
+    optimizer: RowUpdate,
     dtype,
     interpret=False,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
-    target: _common.Target = None,
+    target: chip_lib.Target = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Applies `optimizer` to the listed rows, in place; see `xla.fused_update`.
 
@@ -241,7 +190,7 @@ def fused_update(
       `pltpu.InterpretParams`.
     chunk_rows: rows per grid step, a positive multiple of 8 (capped at U
       rounded up to 8).
-    target: the chip to size VMEM for; see `_common.resolve_chip`.
+    target: the chip to size VMEM for; see `chip.resolve_chip`.
 
   Returns:
     (table, slots) with only the listed rows changed. Donate `table` and
@@ -252,37 +201,30 @@ def fused_update(
     ConfigError: a bad chunk_rows, interpret or target.
     VmemBudgetError: the chunk does not fit the target chip's VMEM.
   """
-  dim = _common.check_table(table, dtype)
-  _common.check_rows(rows)
+  dim = checks.check_update(table, slots, rows, grads, scalars,
+                            optimizer=optimizer, dtype=dtype)
   num_ids = rows.shape[0]
-  if (tuple(grads.shape) != (num_ids, dim)
-      or np.dtype(grads.dtype) != np.float32):
-    raise InputError(
-        f"grads must be float32[{num_ids}, {dim}] (one summed gradient per "
-        f"row id, dim {dim}), got {grads.dtype}{list(grads.shape)}.")
-  _check_slots(slots, table.shape[0], dim, optimizer)
-  flat_scalars = _flat_scalars(scalars)
-  chunk = min(_common.check_chunk_rows(chunk_rows),
-              _common.round_up(max(num_ids, 1), _common.SUBLANES))
-  params = _common.interpret_params(interpret)
+  chunk = checks.chunk_size(chunk_rows, num_ids)
+  params = checks.interpret_params(interpret)
   if num_ids == 0:
     return table, dict(slots)
+  flat_scalars = _flat_scalars(scalars)
   slot_names = tuple(slots)
   widths = [slots[n].shape[1] for n in slot_names]
-  chip = _common.resolve_chip(target)
-  footprint = _common.check_vmem(
+  chip = chip_lib.resolve_chip(target)
+  footprint = chip_lib.check_vmem(
       "fused_update",
       lambda c: vmem_footprint_bytes(dim=dim, dtype=dtype, slot_widths=widths,
                                      chunk_rows=c),
       chunk, chip)
-  _common.check_smem("fused_update", _common.round_up(num_ids, chunk),
-                     1 + flat_scalars.shape[0], chip)
+  chip_lib.check_smem("fused_update", chip_lib.round_up(num_ids, chunk),
+                      1 + flat_scalars.shape[0], chip)
   table, new_slots = _fused_update_call(
       table, tuple(slots[n] for n in slot_names), rows, grads, flat_scalars,
       jnp.asarray(apply).astype(jnp.int32).reshape(1), optimizer=optimizer,
       dtype=np.dtype(dtype), slot_names=slot_names, scalars_type=type(scalars),
       chunk=chunk, interpret=params,
-      vmem_limit=_common.vmem_limit_bytes(footprint, chip))
+      vmem_limit=chip_lib.vmem_limit_bytes(footprint, chip))
   return table, dict(zip(slot_names, new_slots))
 
 
@@ -294,7 +236,7 @@ def _fused_update_call(table, slots, rows, grads, flat_scalars, apply, *,
                        optimizer, dtype, slot_names, scalars_type, chunk,
                        interpret, vmem_limit):
   num_ids, dim = grads.shape
-  padded = _common.round_up(num_ids, chunk)
+  padded = chip_lib.round_up(num_ids, chunk)
   rows = jnp.pad(rows, (0, padded - num_ids), constant_values=-1)
   grads = jnp.pad(grads, ((0, padded - num_ids), (0, 0)))
   arrays = (table, *slots)

@@ -15,14 +15,13 @@ buffers, chunk i in buffer i % 2):
 
 Buffer (i+1) % 2 is free to refill at step i: its chunk was unpacked at step
 i-1 and nothing else reads it. So the reads of chunk i+1 overlap the unpack of
-chunk i and the write-back of output block i-1. All row DMAs of one buffer
-share one DMA semaphore, with one row-sized wait per DMA: up to 2 * C in
-flight.
+chunk i and the write-back of output block i-1; up to 2 * C row DMAs
+(`row_dma.ChunkCopies`) are in flight.
 
-Row ids are scalar-prefetched into SMEM to address the DMAs; ids outside
-[0, R) -- -1 padding -- are never copied. Their output rows are zeroed with a
-mask built from the same ids, also passed as a (C, 1) VMEM block (a vector
-mask cannot be read from SMEM). bfloat16 rows travel as their uint32 storage
+Row ids are scalar-prefetched into SMEM to address the DMAs; padding ids are
+never copied. Their output rows are zeroed with a mask built from the same
+ids, also passed as a (C, 1) VMEM block (a vector mask cannot be read from
+SMEM). bfloat16 rows travel as their uint32 storage
 words and are unpacked in VMEM (see `pallas_emb.packing` and the note on lane
 alignment in `fused_update`).
 """
@@ -34,12 +33,12 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_emb import packing
-from pallas_emb.kernels import _common
+from pallas_emb.kernels import checks, row_dma
+from pallas_emb.kernels import chip as chip_lib
 
 DEFAULT_CHUNK_ROWS = 128
 
@@ -59,9 +58,9 @@ def vmem_footprint_bytes(*, dim: int, dtype,
   """
   c = chunk_rows
   width = packing.storage_width(dim, dtype)
-  words = (2 * _common.padded_words(c, width) + 3 * _common.padded_words(c, dim)
-           + 2 * _common.padded_words(c, 1))
-  return words * _common.WORD_BYTES
+  pad = chip_lib.padded_words
+  words = 2 * pad(c, width) + 3 * pad(c, dim) + 2 * pad(c, 1)
+  return words * chip_lib.WORD_BYTES
 
 
 def _gather_kernel(rows_ref, ids_ref, table_hbm, out_ref, buf, sems, *, dtype,
@@ -76,29 +75,20 @@ def _gather_kernel(rows_ref, ids_ref, table_hbm, out_ref, buf, sems, *, dtype,
   i = pl.program_id(0)
   cur = i % 2
 
-  def for_valid_rows(step, slot, action):
-    def body(j, carry):
-      row = rows_ref[step * chunk + j]
-
-      # No DMA may leave the table: padding is never copied.
-      @pl.when((row >= 0) & (row < num_rows))
-      def _():
-        action(pltpu.make_async_copy(table_hbm.at[pl.ds(row, 1)],
-                                     buf.at[slot, pl.ds(j, 1)], sems.at[slot]))
-
-      return carry
-
-    lax.fori_loop(0, chunk, body, 0)
+  def copies(step, slot):
+    return row_dma.ChunkCopies(rows_ref, step * chunk, [table_hbm],
+                               [buf.at[slot]], [sems.at[slot]],
+                               num_rows=num_rows)
 
   @pl.when(i == 0)
   def _():
-    for_valid_rows(0, 0, lambda copy: copy.start())
+    copies(0, 0).start()
 
   @pl.when(i < pl.num_programs(0) - 1)
   def _():
-    for_valid_rows(i + 1, 1 - cur, lambda copy: copy.start())
+    copies(i + 1, 1 - cur).start()
 
-  for_valid_rows(i, cur, lambda copy: copy.wait())
+  copies(i, cur).wait()
   # Broadcast the int32 ids and compare at full width, so that no boolean
   # mask needs broadcasting (Mosaic keeps masks in a layout of their own).
   ids = jnp.broadcast_to(ids_ref[...], out_ref.shape)
@@ -109,7 +99,7 @@ def _gather_kernel(rows_ref, ids_ref, table_hbm, out_ref, buf, sems, *, dtype,
 
 def gather(table: jax.Array, rows: jax.Array, *, dtype, interpret=False,
            chunk_rows: int = DEFAULT_CHUNK_ROWS,
-           target: _common.Target = None) -> jax.Array:
+           target: chip_lib.Target = None) -> jax.Array:
   """Reads rows of a stored table; see `xla.gather`.
 
   Args:
@@ -121,7 +111,7 @@ def gather(table: jax.Array, rows: jax.Array, *, dtype, interpret=False,
       `pltpu.InterpretParams`.
     chunk_rows: rows per grid step, a positive multiple of 8 (capped at U
       rounded up to 8).
-    target: the chip to size VMEM for; see `_common.resolve_chip`.
+    target: the chip to size VMEM for; see `chip.resolve_chip`.
 
   Returns:
     (U, dim) float32, zero rows for padding.
@@ -131,23 +121,21 @@ def gather(table: jax.Array, rows: jax.Array, *, dtype, interpret=False,
     ConfigError: a bad chunk_rows, interpret or target.
     VmemBudgetError: the chunk does not fit the target chip's VMEM.
   """
-  dim = _common.check_table(table, dtype)
-  _common.check_rows(rows)
+  dim = checks.check_gather(table, rows, dtype)
   num_ids = rows.shape[0]
-  chunk = min(_common.check_chunk_rows(chunk_rows),
-              _common.round_up(max(num_ids, 1), _common.SUBLANES))
-  params = _common.interpret_params(interpret)
+  chunk = checks.chunk_size(chunk_rows, num_ids)
+  params = checks.interpret_params(interpret)
   if num_ids == 0:
     return jnp.zeros((0, dim), jnp.float32)
-  chip = _common.resolve_chip(target)
-  footprint = _common.check_vmem(
+  chip = chip_lib.resolve_chip(target)
+  footprint = chip_lib.check_vmem(
       "gather",
       lambda c: vmem_footprint_bytes(dim=dim, dtype=dtype, chunk_rows=c),
       chunk, chip)
-  _common.check_smem("gather", _common.round_up(num_ids, chunk), 0, chip)
+  chip_lib.check_smem("gather", chip_lib.round_up(num_ids, chunk), 0, chip)
   return _gather_call(table, rows, dtype=np.dtype(dtype), chunk=chunk,
                       interpret=params,
-                      vmem_limit=_common.vmem_limit_bytes(footprint, chip))
+                      vmem_limit=chip_lib.vmem_limit_bytes(footprint, chip))
 
 
 @functools.partial(
@@ -156,7 +144,7 @@ def _gather_call(table, rows, *, dtype, chunk, interpret, vmem_limit):
   num_ids = rows.shape[0]
   width = table.shape[1]
   dim = 2 * width if dtype == packing.SUPPORTED_DTYPES[1] else width
-  padded = _common.round_up(num_ids, chunk)
+  padded = chip_lib.round_up(num_ids, chunk)
   rows = jnp.pad(rows, (0, padded - num_ids), constant_values=-1)
   cost = pl.estimate_cost(functools.partial(packing.unpack_rows, dtype=dtype),
                           jax.ShapeDtypeStruct((padded, width), table.dtype))

@@ -1,8 +1,8 @@
 """The gather and the fused update in plain XLA.
 
 The oracle for the Pallas kernels and the fast path off TPU. Both functions
-work on one device's row shard and call the optimizer's `update_rows`, like
-the kernels do.
+work on one device's row shard, validate their arguments with the kernels'
+own checks, and call the optimizer's `update_rows`, like the kernels do.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_emb import packing
-from pallas_emb.optimizers.base import EmbeddingOptimizer
+from pallas_emb.kernels import checks
+from pallas_emb.kernels.protocol import RowUpdate
 
 
 def _out_of_bounds(rows: jax.Array, size: int, keep: jax.Array) -> jax.Array:
@@ -32,6 +33,7 @@ def gather(table: jax.Array, rows: jax.Array, *, dtype) -> jax.Array:
   Returns:
     (C, dim) float32, zero rows for padding.
   """
+  checks.check_gather(table, rows, dtype)
   idx = _out_of_bounds(rows, table.shape[0], True)
   words = jnp.take(table, idx, axis=0, mode="fill", fill_value=0)
   return packing.unpack_rows(words, dtype)
@@ -45,7 +47,7 @@ def fused_update(
     scalars: NamedTuple,
     apply: jax.Array,
     *,
-    optimizer: EmbeddingOptimizer,
+    optimizer: RowUpdate,
     dtype,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Applies `optimizer` to the listed rows, in place when donated.
@@ -63,6 +65,8 @@ def fused_update(
   Returns:
     (table, slots) with only the listed rows changed.
   """
+  checks.check_update(table, slots, rows, grads, scalars, optimizer=optimizer,
+                      dtype=dtype)
   idx = _out_of_bounds(rows, table.shape[0], apply)
   take = lambda x: jnp.take(x, idx, axis=0, mode="fill", fill_value=0)
   new_rows, new_slots = optimizer.update_rows(

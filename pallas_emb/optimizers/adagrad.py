@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_emb.optimizers.base import (
-    LearningRate, SlotSpec, check_learning_rate, check_range, learning_rate_at)
+    EmbeddingOptimizer, LearningRate, SlotSpec, check_learning_rate,
+    check_range, learning_rate_at)
 from pallas_emb.optimizers.fused_async import FusedAsyncEmbUpdate
 
 
@@ -18,7 +19,7 @@ class AdagradScalars(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class Adagrad(FusedAsyncEmbUpdate):
+class Adagrad(EmbeddingOptimizer, FusedAsyncEmbUpdate):
   """Adagrad with one accumulator per element (slot `acc`, (rows, dim)).
 
   `acc += g**2; row -= lr * g * rsqrt(acc + eps)` (0 where acc == 0), the

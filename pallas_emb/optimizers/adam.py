@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_emb.optimizers.base import (
-    LearningRate, SlotSpec, check_learning_rate, check_range, learning_rate_at)
+    EmbeddingOptimizer, LearningRate, SlotSpec, check_learning_rate,
+    check_range, learning_rate_at)
 from pallas_emb.optimizers.fused_async import FusedAsyncEmbUpdate
 
 
@@ -29,7 +30,7 @@ class AdamScalars(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class LazyAdam(FusedAsyncEmbUpdate):
+class LazyAdam(EmbeddingOptimizer, FusedAsyncEmbUpdate):
   """Row-lazy Adam (slots `m`, `v`: (rows, dim); `count`: (rows, 1) int32).
 
   Attributes:

@@ -1,6 +1,7 @@
 """What an embedding optimizer is: its slots, its per-step scalars, its math.
 
-An optimizer here is a frozen dataclass of hyperparameters with three methods:
+An optimizer here is a frozen dataclass of hyperparameters with three methods
+and one flag:
 
 * `slot_specs()` — the per-row state it keeps next to the table, by name;
 * `scalars(step)` — the step's scalar hyperparameters (learning rate from a
@@ -8,7 +9,9 @@ An optimizer here is a frozen dataclass of hyperparameters with three methods:
   of float32 scalars;
 * `update_rows(rows, slots, grads, scalars)` — ONE pure function on a block of
   rows. The Pallas kernel calls it on VMEM values and the XLA path on gathered
-  rows, so a new optimizer never needs a new kernel.
+  rows, so a new optimizer never needs a new kernel;
+* `runs_in_kernel` — False for math that cannot run inside a Pallas kernel
+  (arbitrary optax code): such an optimizer always takes the XLA path.
 
 `update_rows` sees only rows that are in the batch (a lazy, sparse update):
 rows, grads and width-`dim` slots are (C, dim) float32, scalar-per-row slots
@@ -19,36 +22,29 @@ reduce within a row, and must return arrays of the shapes and dtypes it got.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, NamedTuple, Protocol, Union, runtime_checkable
+from typing import Callable, ClassVar, Mapping, NamedTuple, Protocol, Union, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_emb.errors import SpecError
+from pallas_emb.packing import SlotSpec
 
 # A float, or an optax-style schedule: step (int32 scalar) -> learning rate.
 LearningRate = Union[float, Callable[[jax.Array], jax.Array]]
 Slots = Mapping[str, jax.Array]
 
 
-class SlotSpec(NamedTuple):
-  """One per-row optimizer state array.
-
-  Attributes:
-    width: columns per row; None means the table's `dim`.
-    dtype: float32 or int32 (slots move as 32-bit words).
-    init: initial value of every element.
-  """
-
-  width: int | None = None
-  dtype: Any = np.float32
-  init: float = 0.0
-
-
 @runtime_checkable
 class EmbeddingOptimizer(Protocol):
-  """The structural interface every embedding optimizer implements."""
+  """The structural interface every embedding optimizer implements.
+
+  The optimizers of this package subclass it (for the default of
+  `runs_in_kernel`); any class with the same members is accepted too.
+  """
+
+  runs_in_kernel: ClassVar[bool] = True
 
   def slot_specs(self) -> Mapping[str, SlotSpec]:
     """Slot name -> `SlotSpec` of the per-row state kept beside the table."""

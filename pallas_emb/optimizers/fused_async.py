@@ -1,23 +1,23 @@
-"""The mixin through which the optimizers implement the async protocol.
+"""The reference's two method names on an optimizer, as delegations.
 
-Kept out of `base` so that what the kernels import (the optimizer protocol
-and its math) does not lead to the async layer.
+Users of the reference call `opt.gradient_update_start(context, ...)`. Here
+the work belongs to the async layer, which sits above the optimizers: each
+method hands the call to the context it is given and imports nothing.
 """
 
 
 class FusedAsyncEmbUpdate:
-  """Implements `async_emb.AsyncEmbOptimizer` through the fused table update.
+  """Implements `AsyncEmbOptimizer` by delegating to the context handle.
 
   Mixed into every optimizer whose `update_rows` the fused update (Pallas
-  kernel or XLA) can run; the work is in `async_emb.fused_gradient_update_*`.
+  kernel or XLA) can run.
   """
 
   def gradient_update_start(self, context, update, table, state, gate=None):
-    # Imported here: async_emb imports the specs, which import optimizers.
-    from pallas_emb import async_emb  # pylint: disable=g-import-not-at-top
-    return async_emb.fused_gradient_update_start(self, context, update, table,
-                                                 state, gate)
+    """Launches the update -> (pins, table, state, metrics); see
+    `pallas_emb.gradient_update_start`."""
+    return context.fused_update_start(self, update, table, state, gate)
 
   def gradient_update_done(self, context, gate=None):
-    from pallas_emb import async_emb  # pylint: disable=g-import-not-at-top
-    return async_emb.fused_gradient_update_done(self, context, gate)
+    """Collects the update -> (norm, valid, done_pin)."""
+    return context.fused_update_done(self, gate)

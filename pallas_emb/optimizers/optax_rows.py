@@ -22,7 +22,7 @@ import numpy as np
 import optax
 
 from pallas_emb.errors import SpecError
-from pallas_emb.optimizers.base import SlotSpec
+from pallas_emb.optimizers.base import EmbeddingOptimizer, SlotSpec
 
 # A probe width that no scalar leaf can be confused with.
 _PROBE_DIM = 3
@@ -33,7 +33,7 @@ class OptaxRowsScalars(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class OptaxRows:
+class OptaxRows(EmbeddingOptimizer):
   """A sparse, synchronous embedding optimizer from an optax transformation.
 
   Attributes:
@@ -44,7 +44,7 @@ class OptaxRows:
 
   tx: optax.GradientTransformation
 
-  # The kernels dispatch this optimizer to the XLA path.
+  # Arbitrary optax code: always the XLA path.
   runs_in_kernel = False
 
   def __post_init__(self):

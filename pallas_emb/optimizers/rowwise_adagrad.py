@@ -27,7 +27,8 @@ import numpy as np
 
 from pallas_emb.errors import SpecError
 from pallas_emb.optimizers.base import (
-    LearningRate, SlotSpec, check_learning_rate, check_range, learning_rate_at)
+    EmbeddingOptimizer, LearningRate, SlotSpec, check_learning_rate,
+    check_range, learning_rate_at)
 from pallas_emb.optimizers.fused_async import FusedAsyncEmbUpdate
 
 
@@ -37,7 +38,7 @@ class RowWiseAdagradScalars(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class RowWiseAdagrad(FusedAsyncEmbUpdate):
+class RowWiseAdagrad(EmbeddingOptimizer, FusedAsyncEmbUpdate):
   """Row-wise Adagrad (slot `acc`, (rows, 1); plus `last_step` when lazy).
 
   Attributes:

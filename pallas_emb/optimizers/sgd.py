@@ -8,7 +8,7 @@ from typing import NamedTuple
 import jax
 
 from pallas_emb.optimizers.base import (
-    LearningRate, check_learning_rate, learning_rate_at)
+    EmbeddingOptimizer, LearningRate, check_learning_rate, learning_rate_at)
 from pallas_emb.optimizers.fused_async import FusedAsyncEmbUpdate
 
 
@@ -17,7 +17,7 @@ class SGDScalars(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class SGD(FusedAsyncEmbUpdate):
+class SGD(EmbeddingOptimizer, FusedAsyncEmbUpdate):
   """Stochastic gradient descent; no slots. Matches `optax.sgd(lr)` bitwise.
 
   Attributes:

@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from pallas_emb import async_emb
-from pallas_emb.embedding import TableState
-from pallas_emb.train.step import Trainer, TrainState, table_features
+from pallas_emb import async_emb, programs, tokens
+from pallas_emb.state import TableState
+from pallas_emb.train.step import Trainer, TrainState
 from sharding.layout import RowLayout
 
 
@@ -37,30 +37,23 @@ class CheckpointError(ValueError):
   """A checkpoint that does not fit the trainer it is restored into."""
 
 
-def _feature_token_grads(ctx: async_emb.AsyncEmbContextHandle, grads: jax.Array,
-                         shapes: tuple[tuple[str, int, int], ...]) -> dict[str, jax.Array]:
-  """(S * n, dim) in per-device token order -> feature -> (B, L, dim)."""
-  dims = {name: (b, l) for name, b, l in shapes}
-  per_device = grads.reshape(ctx.group_size, -1, grads.shape[-1])
-  out, start = {}, 0
-  for f in ctx.embedding.features:
-    b, l = dims[f.name]
-    size = b // ctx.group_size * l
-    out[f.name] = per_device[:, start:start + size].reshape(b, l, grads.shape[-1])
-    start += size
-  return out
+# Token gradients between the mesh's device order and per-feature arrays.
+_to_features = jax.jit(tokens.from_device_order, static_argnums=(1, 2, 3))
+_to_devices = jax.jit(tokens.to_device_order, static_argnums=(1, 2))
 
 
-def _device_token_grads(ctx: async_emb.AsyncEmbContextHandle,
-                        per_feature: Mapping[str, jax.Array]) -> jax.Array:
-  """feature -> (B, L, dim) -> (S * n, dim) in this mesh's per-device order."""
-  blocks = [per_feature[f.name].reshape(ctx.group_size, -1, ctx.emb_width)
-            for f in ctx.embedding.features]
-  return jnp.concatenate(blocks, axis=1).reshape(-1, ctx.emb_width)
+def _token_layout(ctx, batch_shapes: Mapping[str, Any]):
+  """(feature names, their (B, L)) of a context's table, as static tuples."""
+  names = tuple(f.name for f in ctx.features)
+  return names, tuple(tuple(int(v) for v in batch_shapes[n]) for n in names)
 
 
-_jit_feature_grads = jax.jit(_feature_token_grads, static_argnums=(0, 2))
-_jit_device_grads = jax.jit(_device_token_grads, static_argnums=0)
+def _table_dict(ts: TableState) -> dict:
+  return {"table": ts.table, "slots": dict(ts.slots), "step": ts.step}
+
+
+def _abstract(x) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
 
 class Checkpointer:
@@ -93,10 +86,12 @@ class Checkpointer:
     """
     tr = self.trainer
     step = int(jax.device_get(state.step))
-    shapes = tuple((f, int(b), int(l)) for f, (b, l) in sorted(batch_shapes.items()))
-    pending = {name: {"pending": state.pending[name].pending,
-                      "grads": _jit_feature_grads(ctx, state.pending[name].grads, shapes)}
-               for name, ctx in tr.contexts}
+    pending = {}
+    for name, ctx in tr.contexts:
+      names, shapes = _token_layout(ctx, batch_shapes)
+      pending[name] = {"pending": state.pending[name].pending,
+                       "grads": _to_features(state.pending[name].grads, names,
+                                             shapes, ctx.group_size)}
     # The started lookup's embeddings are saved rather than recomputed on
     # restore, so a resumed run is bit-identical whatever XLA fuses them into.
     lookup_acts = {name: dict(state.lookups[name].acts) for name, _ in tr.contexts}
@@ -135,71 +130,97 @@ class Checkpointer:
     Raises:
       CheckpointError: tables or pipeline differ from the trainer's.
     """
-    tr = self.trainer
     step = self.latest_step() if step is None else step
     if step is None:
       raise CheckpointError("no checkpoint to restore in "
                             f"{self.manager.directory}.")
     meta = self.metadata(step)
     self._check_compatible(meta)
-    # A table keeps its physical order only if both the shard count and the
-    # layout kind are unchanged; otherwise it goes through logical order.
-    same_layout = {t.name: meta["num_shards"] == tr.emb.num_shards
-                   and meta["tables"][t.name]["layout"] == t.layout
-                   for t in tr.emb.tables}
-    as_abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-    tables_target = {}
-    for name, ts in template.tables.items():
-      if same_layout[name]:
-        tables_target[name] = jax.tree.map(as_abstract, _table_dict(ts))
-      else:
-        old = RowLayout(meta["tables"][name]["num_rows"], meta["num_shards"],
-                        meta["tables"][name]["layout"])
-        host = lambda x, old=old: np.zeros((old.num_physical_rows,) + x.shape[1:], x.dtype)
-        tables_target[name] = {"table": host(ts.table),
-                               "slots": {k: host(v) for k, v in ts.slots.items()},
-                               "step": np.zeros((), np.int32)}
-    pending_target = {}
-    for name, ctx in tr.contexts:
-      shapes = meta["batch_shapes"]
-      pending_target[name] = {
-          "pending": jax.ShapeDtypeStruct((), jnp.bool_, sharding=tr.emb.sharding(rows=False)),
-          "grads": {f.name: jax.ShapeDtypeStruct(
-              (shapes[f.name][0], shapes[f.name][1], ctx.emb_width), jnp.float32,
-              sharding=tr.emb.sharding())
-                    for f in ctx.embedding.features}}
-    acts_target = {name: jax.tree.map(as_abstract, dict(template.lookups[name].acts))
-                   for name, _ in tr.contexts}
-    target = {"params": jax.tree.map(as_abstract, template.params),
-              "opt_state": jax.tree.map(as_abstract, template.opt_state),
-              "tables": tables_target, "pending": pending_target,
-              "lookup_acts": acts_target, "step": as_abstract(template.step)}
     item = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target)))["state"]
-
-    tables = {}
-    for name, d in item["tables"].items():
-      if same_layout[name]:
-        tables[name] = TableState(d["table"], dict(d["slots"]), d["step"])
-      else:
-        tables[name] = self._reshard(name, meta, d)
-    pending, lookups = {}, {}
-    if tr.contexts:
-      pending_batch, next_batch = batch_at(step - 1), batch_at(step)
-      for name, ctx in tr.contexts:
-        started = async_emb.lookup_start(
-            ctx, tables[name].table, table_features(ctx, next_batch["ids"]))
-        lookups[name] = started._replace(acts=dict(item["lookup_acts"][name]))
-        saved = item["pending"][name]
-        if tr.config.exact or step == 0:
-          pending[name] = async_emb.empty_gradient_update(ctx)
-          continue
-        # The routing is a function of the ids: plan it again on this mesh.
-        routed = ctx.embedding.plan(table_features(ctx, pending_batch["ids"]))[name]
-        pending[name] = async_emb.gradient_update_from(
-            routed, _jit_device_grads(ctx, saved["grads"]), saved["pending"])
+        state=ocp.args.StandardRestore(self._target(template, meta))))["state"]
+    tables = {name: self._table(name, meta, d)
+              for name, d in item["tables"].items()}
+    pending, lookups = self._pipeline(tables, item, meta, batch_at, step)
     return TrainState(item["params"], item["opt_state"], tables, pending,
                       lookups, item["step"])
+
+  def _old_layout(self, name: str, meta: dict) -> RowLayout | None:
+    """The saved layout of table `name`, or None if it is this trainer's."""
+    info = meta["tables"][name]
+    old = RowLayout(info["num_rows"], meta["num_shards"], info["layout"])
+    return None if old == self.trainer.emb.layout(name) else old
+
+  def _target(self, template: TrainState, meta: dict) -> dict:
+    """What orbax restores into: this mesh's shardings where the layout is
+    unchanged, host arrays of the saved layout where it changed."""
+    tr = self.trainer
+    tables = {}
+    for name, ts in template.tables.items():
+      old = self._old_layout(name, meta)
+      if old is None:
+        tables[name] = jax.tree.map(_abstract, _table_dict(ts))
+        continue
+      host = lambda x, old=old: np.zeros((old.num_physical_rows,) + x.shape[1:],
+                                         x.dtype)
+      tables[name] = {"table": host(ts.table),
+                      "slots": {k: host(v) for k, v in ts.slots.items()},
+                      "step": np.zeros((), np.int32)}
+    pending = {}
+    for name, ctx in tr.contexts:
+      names, shapes = _token_layout(ctx, meta["batch_shapes"])
+      pending[name] = {
+          "pending": jax.ShapeDtypeStruct(
+              (), jnp.bool_, sharding=tr.emb.sharding(rows=False)),
+          "grads": {n: jax.ShapeDtypeStruct((*shape, ctx.emb_width),
+                                            jnp.float32,
+                                            sharding=tr.emb.sharding())
+                    for n, shape in zip(names, shapes)}}
+    return {"params": jax.tree.map(_abstract, template.params),
+            "opt_state": jax.tree.map(_abstract, template.opt_state),
+            "tables": tables, "pending": pending,
+            "lookup_acts": {name: jax.tree.map(_abstract,
+                                               dict(template.lookups[name].acts))
+                            for name, _ in tr.contexts},
+            "step": _abstract(template.step)}
+
+  def _table(self, name: str, meta: dict, d: dict) -> TableState:
+    """A restored table on this mesh, resharded if its layout changed."""
+    old = self._old_layout(name, meta)
+    if old is None:
+      return TableState(d["table"], dict(d["slots"]), d["step"])
+    emb = self.trainer.emb
+    put = lambda x: jax.device_put(old.reshard(np.asarray(x), emb.layout(name)),
+                                   emb.sharding())
+    return TableState(put(d["table"]), {k: put(v) for k, v in d["slots"].items()},
+                      jax.device_put(jnp.asarray(d["step"], jnp.int32),
+                                     emb.sharding(rows=False)))
+
+  def _pipeline(self, tables, item, meta, batch_at, step):
+    """The pending updates and started lookups of the async pipelines.
+
+    Routing plans are not saved: they are functions of the ids, so they are
+    planned again on this mesh from the batches at the data position.
+    """
+    tr = self.trainer
+    pending, lookups = {}, {}
+    if not tr.contexts:
+      return pending, lookups
+    pending_batch, next_batch = batch_at(step - 1), batch_at(step)
+    for name, ctx in tr.contexts:
+      started = async_emb.lookup_start(
+          ctx, tables[name].table, ctx.table_inputs(next_batch["ids"]))
+      lookups[name] = started._replace(acts=dict(item["lookup_acts"][name]))
+      if tr.config.exact or step == 0:
+        pending[name] = async_emb.empty_gradient_update(ctx)
+        continue
+      saved = item["pending"][name]
+      names, _ = _token_layout(ctx, meta["batch_shapes"])
+      routed = programs.plan(ctx.sharded_table, tuple(
+          pending_batch["ids"][n] for n in names))
+      pending[name] = async_emb.AsyncEmbGradientUpdate.from_residuals(
+          routed, _to_devices(saved["grads"], names, ctx.group_size),
+          saved["pending"])
+    return pending, lookups
 
   def _check_compatible(self, meta: dict) -> None:
     tr = self.trainer
@@ -215,17 +236,3 @@ class Checkpointer:
           "the checkpoint was written by the "
           f"use_async_emb={meta['use_async_emb']}, exact={meta['exact']} "
           "pipeline; restore it with the same TrainConfig.")
-
-  def _reshard(self, name: str, meta: dict, d) -> TableState:
-    emb = self.trainer.emb
-    info = meta["tables"][name]
-    old = RowLayout(info["num_rows"], meta["num_shards"], info["layout"])
-    new = emb.layout(name)
-    put = lambda x: jax.device_put(old.reshard(np.asarray(x), new), emb.sharding())
-    return TableState(put(d["table"]), {k: put(v) for k, v in d["slots"].items()},
-                      jax.device_put(jnp.asarray(d["step"], jnp.int32),
-                                     emb.sharding(rows=False)))
-
-
-def _table_dict(ts: TableState) -> dict:
-  return {"table": ts.table, "slots": dict(ts.slots), "step": ts.step}

@@ -35,8 +35,9 @@ import optax
 from pallas_emb import async_emb
 from pallas_emb.async_emb import (
     AsyncEmbContextHandle, AsyncEmbGradientUpdate, EmbLookup, EmbOptState)
-from pallas_emb.embedding import ShardedEmbedding, TableState
+from pallas_emb.embedding import ShardedEmbedding
 from pallas_emb.errors import InputError
+from pallas_emb.state import TableState
 from pallas_emb.train.config import TrainConfig, validate_config
 
 # loss_fn(params, acts, batch) -> (loss, aux): acts maps feature -> embedding.
@@ -63,11 +64,6 @@ class TrainState(NamedTuple):
   pending: dict[str, AsyncEmbGradientUpdate]
   lookups: dict[str, EmbLookup]
   step: jax.Array
-
-
-def table_features(ctx: AsyncEmbContextHandle, per_feature: Mapping):
-  """The entries of a feature -> array dict that belong to ctx's table."""
-  return {f.name: per_feature[f.name] for f in ctx.embedding.features}
 
 
 def _table_metrics(m: Mapping[str, jax.Array], pending, norm, valid):
@@ -98,12 +94,19 @@ class Trainer:
   config: TrainConfig
   contexts: tuple[tuple[str, AsyncEmbContextHandle], ...] = ()
 
+  @property
+  def pipeline(self) -> Callable:
+    """The step function of the configured pipeline."""
+    if not self.config.use_async_emb:
+      return _sync_step
+    return _exact_step if self.config.exact else _async_step
+
   def init(self, params, tables: Mapping[str, TableState], batch) -> TrainState:
     """The state before step 0; starts the lookup of `batch` (async)."""
     lookups, pending = {}, {}
     for name, ctx in self.contexts:
       lookups[name] = async_emb.lookup_start(
-          ctx, tables[name].table, table_features(ctx, batch["ids"]))
+          ctx, tables[name].table, ctx.table_inputs(batch["ids"]))
       pending[name] = async_emb.empty_gradient_update(ctx)
     # Replicated on the mesh, as the step returns them: otherwise the second
     # step would see new input shardings and compile again.
@@ -175,49 +178,75 @@ def _start(ctx, update, table_state: TableState, gate=None):
   return TableState(table, opt_state.slots, opt_state.step), m
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
-def _jit_step(tr: Trainer, state: TrainState, batch, next_batch):
-  if not tr.config.use_async_emb:
-    acts, res = tr.emb.lookup(state.tables, batch["ids"])
-    params, opt_state, loss, aux, g_acts = _dense_step(
-        tr, state.params, state.opt_state, acts, batch)
-    tables, m = tr.emb.apply_gradients(state.tables, res, g_acts)
-    emb_metrics = {k: _table_metrics(v._asdict(), jnp.asarray(True),
-                                     v.grad_norm, v.applied)
-                   for k, v in m.items()}
-    return (state._replace(params=params, opt_state=opt_state, tables=tables,
-                           step=state.step + 1),
-            {"loss": loss, "aux": aux, "emb": emb_metrics})
+def _sync_step(tr: Trainer, state: TrainState, batch, next_batch):
+  """Lookup, dense step and sparse update, in order (any optimizer)."""
+  del next_batch
+  acts, res = tr.emb.lookup(state.tables, batch["ids"])
+  params, opt_state, loss, aux, g_acts = _dense_step(
+      tr, state.params, state.opt_state, acts, batch)
+  tables, m = tr.emb.apply_gradients(state.tables, res, g_acts)
+  emb_metrics = {k: _table_metrics(v._asdict(), jnp.asarray(True),
+                                   v.grad_norm, v.applied)
+                 for k, v in m.items()}
+  return (state._replace(params=params, opt_state=opt_state, tables=tables,
+                         step=state.step + 1),
+          {"loss": loss, "aux": aux, "emb": emb_metrics})
 
-  tables, pending, lookups, started = dict(state.tables), {}, {}, {}
+
+def _collect(ctx, tables, update, started, next_batch, gate):
+  """Collects the started update of `ctx`'s table, then starts the lookup of
+  the next batch on the updated table -> (metrics, lookup)."""
+  norm, valid, pin = async_emb.gradient_update_done(ctx, gate=gate)
+  lookup = async_emb.lookup_start(ctx, tables[ctx.name].table,
+                                  ctx.table_inputs(next_batch["ids"]), gate=pin)
+  return _table_metrics(started, update.pending, norm, valid), lookup
+
+
+def _async_step(tr: Trainer, state: TrainState, batch, next_batch):
+  """The reference's schedule: step t-1's update overlaps step t's dense
+  forward; embeddings are one step stale."""
+  tables, started, emb_metrics, lookups, pending = dict(state.tables), {}, {}, {}, {}
   acts = {}
   for name, ctx in tr.contexts:
     acts.update(async_emb.lookup_done(ctx, state.lookups[name]))
-  if not tr.config.exact:
-    # Step t-1's gradient: no data dependence on this step's forward.
-    for name, ctx in tr.contexts:
-      tables[name], started[name] = _start(ctx, state.pending[name], tables[name])
+  # Step t-1's gradient: no data dependence on this step's forward.
+  for name, ctx in tr.contexts:
+    tables[name], started[name] = _start(ctx, state.pending[name], tables[name])
   params, opt_state, loss, aux, g_acts = _dense_step(
       tr, state.params, state.opt_state, acts, batch)
-  emb_metrics = {}
   for name, ctx in tr.contexts:
-    this_step = async_emb.make_gradient_update(
-        ctx, state.lookups[name], table_features(ctx, g_acts))
-    if tr.config.exact:
-      applied_update = this_step
-      tables[name], started[name] = _start(ctx, this_step, tables[name], loss)
-      pending[name] = state.pending[name]
-    else:
-      applied_update = state.pending[name]
-      pending[name] = this_step
-    norm, valid, pin = async_emb.gradient_update_done(ctx, gate=loss)
-    emb_metrics[name] = _table_metrics(started[name], applied_update.pending,
-                                       norm, valid)
-    lookups[name] = async_emb.lookup_start(
-        ctx, tables[name].table, table_features(ctx, next_batch["ids"]), gate=pin)
+    pending[name] = async_emb.make_gradient_update(
+        ctx, state.lookups[name], ctx.table_inputs(g_acts))
+    emb_metrics[name], lookups[name] = _collect(
+        ctx, tables, state.pending[name], started[name], next_batch, loss)
   return (TrainState(params, opt_state, tables, pending, lookups,
                      state.step + 1),
           {"loss": loss, "aux": aux, "emb": emb_metrics})
+
+
+def _exact_step(tr: Trainer, state: TrainState, batch, next_batch):
+  """The async calls with no staleness: step t's gradient is applied within
+  step t, before the lookup of batch t+1."""
+  tables, emb_metrics, lookups = dict(state.tables), {}, {}
+  acts = {}
+  for name, ctx in tr.contexts:
+    acts.update(async_emb.lookup_done(ctx, state.lookups[name]))
+  params, opt_state, loss, aux, g_acts = _dense_step(
+      tr, state.params, state.opt_state, acts, batch)
+  for name, ctx in tr.contexts:
+    update = async_emb.make_gradient_update(
+        ctx, state.lookups[name], ctx.table_inputs(g_acts))
+    tables[name], started = _start(ctx, update, tables[name], loss)
+    emb_metrics[name], lookups[name] = _collect(
+        ctx, tables, update, started, next_batch, loss)
+  return (TrainState(params, opt_state, tables, state.pending, lookups,
+                     state.step + 1),
+          {"loss": loss, "aux": aux, "emb": emb_metrics})
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+def _jit_step(tr: Trainer, state: TrainState, batch, next_batch):
+  return tr.pipeline(tr, state, batch, next_batch)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)

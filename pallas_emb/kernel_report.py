@@ -1,4 +1,4 @@
-"""`python -m pallas_emb.kernels.report`: what one fused-update call moves.
+"""`python -m pallas_emb.kernel_report`: what one fused-update call moves.
 
 For one call on U rows of width D with row-wise Adagrad (one (R, 1) slot):
 the bytes the DMA schedule moves per row against the minimum (row read and
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_emb import packing
-from pallas_emb.kernels import _common
+from pallas_emb.kernels import chip as chip_lib
 from pallas_emb.kernels.fused_update import (
     DEFAULT_CHUNK_ROWS, fused_update, vmem_footprint_bytes)
 from pallas_emb.optimizers import RowWiseAdagrad
@@ -34,7 +34,7 @@ def define_flags() -> None:
 
 def report(num_ids: int, dim: int, repeats: int) -> None:
   opt = RowWiseAdagrad()
-  chunk = min(DEFAULT_CHUNK_ROWS, _common.round_up(num_ids, _common.SUBLANES))
+  chunk = min(DEFAULT_CHUNK_ROWS, chip_lib.round_up(num_ids, chip_lib.SUBLANES))
   rng = np.random.default_rng(0)
   table_rows = 16 * num_ids
   for dtype in (jnp.float32, jnp.bfloat16):
@@ -61,7 +61,7 @@ def report(num_ids: int, dim: int, repeats: int) -> None:
     footprint = vmem_footprint_bytes(dim=dim, dtype=dtype, slot_widths=[1],
                                            chunk_rows=chunk)
     for chip in ("v5e", "v6e", "v5p"):
-      c = _common.resolve_chip(chip)
+      c = chip_lib.resolve_chip(chip)
       print(f"  TPU {chip}: VMEM footprint {footprint / 2**10:.0f} KiB of "
             f"{c.vmem_bytes / 2**20:.0f} MiB ({100 * footprint / c.vmem_bytes:.2f}%)")
     print(f"  interpret mode: median {statistics.median(times) * 1e3:.0f} ms "

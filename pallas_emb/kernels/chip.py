@@ -1,4 +1,4 @@
-"""What the Pallas kernels share: argument checks, the target chip, VMEM sizing.
+"""The TPU chip a kernel is sized for: VMEM and SMEM budgets, tile padding.
 
 Nothing here touches arrays; it runs while tracing, on static shapes.
 """
@@ -8,12 +8,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Union
 
-import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_emb import packing
 from pallas_emb.errors import ConfigError, InputError, VmemBudgetError
-from sharding.layout import round_up  # noqa: F401  (re-exported for the kernels)
 
 # TPU vregs are (8, 128) 32-bit words: VMEM buffers round rows up to 8
 # sublanes and columns up to 128 lanes, so a (C, 1) slot buffer costs as much
@@ -39,61 +36,14 @@ _KIND_ALIASES = {"v4 lite": "v4i", "v5 lite": "v5e", "v5": "v5p",
 Target = Union[None, str, pltpu.ChipVersion, pltpu.TpuInfo]
 
 
+def round_up(x: int, m: int) -> int:
+  """The least multiple of m that is >= x."""
+  return -(-x // m) * m
+
+
 def padded_words(rows: int, cols: int) -> int:
   """32-bit words a (rows, cols) VMEM buffer occupies after (8, 128) tiling."""
   return round_up(rows, SUBLANES) * round_up(cols, LANES)
-
-
-def interpret_params(interpret) -> pltpu.InterpretParams | bool:
-  """`interpret=` of `pl.pallas_call`: False, or TPU interpret parameters.
-
-  True means default `InterpretParams()`: the TPU interpreter, which runs
-  DMAs asynchronously against simulated HBM, VMEM and semaphores (and can
-  detect races), not pallas_call's generic interpreter, which completes
-  every copy at its start and so cannot exercise the schedule.
-  """
-  if isinstance(interpret, pltpu.InterpretParams):
-    return interpret
-  if isinstance(interpret, (bool, np.bool_)):
-    return pltpu.InterpretParams() if interpret else False
-  raise ConfigError(
-      f"interpret must be a bool or a pltpu.InterpretParams, got "
-      f"{interpret!r} of type {type(interpret).__name__}.")
-
-
-def check_chunk_rows(chunk_rows) -> int:
-  is_int = (isinstance(chunk_rows, (int, np.integer))
-            and not isinstance(chunk_rows, bool))
-  if not is_int or chunk_rows < SUBLANES or chunk_rows % SUBLANES:
-    fix = round_up(max(int(chunk_rows), SUBLANES), SUBLANES) if is_int else 128
-    raise ConfigError(
-        f"chunk_rows must be a positive multiple of {SUBLANES} (the TPU "
-        f"sublane count, so every VMEM buffer is whole (8, 128) tiles), got "
-        f"{chunk_rows!r}; use e.g. chunk_rows={fix}.")
-  return int(chunk_rows)
-
-
-def check_rows(rows, name: str = "rows") -> None:
-  if np.dtype(rows.dtype) != np.int32 or rows.ndim != 1:
-    raise InputError(
-        f"{name} must be a 1-D int32 array of local row ids (-1 = padding), "
-        f"got {rows.dtype}{list(rows.shape)}; flatten it and cast with "
-        ".astype(jnp.int32).")
-
-
-def check_table(table, dtype) -> int:
-  """Validates a stored table for logical `dtype`; returns the row dim."""
-  dtype = np.dtype(dtype)
-  if dtype not in packing.SUPPORTED_DTYPES:
-    raise InputError(f"dtype must be float32 or bfloat16, got {dtype}.")
-  want = packing.storage_dtype(dtype)
-  if table.ndim != 2 or np.dtype(table.dtype) != want:
-    raise InputError(
-        f"a {dtype} table is stored as a 2-D {want} array (see "
-        f"pallas_emb.packing), got {table.dtype}{list(table.shape)}; build it "
-        "with packing.to_storage / ShardedEmbedding.init.")
-  width = table.shape[1]
-  return 2 * width if dtype == packing.SUPPORTED_DTYPES[1] else width
 
 
 @dataclasses.dataclass(frozen=True)

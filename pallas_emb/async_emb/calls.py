@@ -1,0 +1,134 @@
+"""The asynchronous embedding update, with the reference system's calls.
+
+The table update of step t-1 runs while the dense part of step t computes:
+
+    acts_t   = lookup_done(ctx, lookup_t)                 # started in step t-1
+    pins, table, state, m = gradient_update_start(ctx, update_tm1, table, state)
+    loss, g  = dense forward/backward on acts_t           # overlaps the update
+    norm, valid, pin = gradient_update_done(ctx, gate=loss)
+    lookup_tp1 = lookup_start(ctx, table, ids_tp1, gate=pin)  # after the update
+    update_t = make_gradient_update(ctx, lookup_t, g["acts"])
+
+Embeddings are exactly one step stale; dense parameters are not. Inside one
+XLA program "asynchronous" means the update has no data dependence on the
+dense forward, so the scheduler overlaps them (its all_to_alls run while the
+MLP computes). `gate` arguments are never read: they only order calls through
+data dependencies (`jax.lax.optimization_barrier`).
+
+Misuse raises `AsyncEmbStateError` (see `tracker`): done without start, a
+second start before done, and a lookup while the update is in flight.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+
+from pallas_emb import programs, validate
+from pallas_emb.async_emb.context import AsyncEmbContextHandle, tie
+from pallas_emb.async_emb.protocol import (
+    AsyncEmbGradientUpdate, EmbLookup, EmbOptState, no_fused_update_message,
+    supports_async_emb)
+from pallas_emb.async_emb.tracker import IN_FLIGHT
+from pallas_emb.errors import InputError
+
+
+def lookup_start(context: AsyncEmbContextHandle, table: jax.Array,
+                 ids: Mapping[str, jax.Array], gate=None) -> EmbLookup:
+  """Starts the lookup of the context's features.
+
+  Args:
+    context: the table's context.
+    table: its stored array (`TableState.table`).
+    ids: feature -> (B, L) int32 for the table's features.
+    gate: any array; the lookup reads the table only after it is computed.
+
+  Raises:
+    AsyncEmbStateError: while an update of the table is in flight.
+  """
+  IN_FLIGHT.check_idle(context, "lookup_start")
+  t = context.sharded_table
+  tokens = validate.check_ids(t.features, ids, t.num_shards,
+                              t.axis)[context.name] * t.num_shards
+  if tokens != context.tokens_per_batch:
+    raise InputError(
+        f"lookup_start on table {context.name!r}: the ids hold {tokens} "
+        f"tokens, but the context was made for tokens_per_batch="
+        f"{context.tokens_per_batch}; make a context for this batch shape.")
+  context.check_state(table)
+  outs, res = programs.lookup(t, tie(table, gate),
+                              tuple(ids[f.name] for f in t.features))
+  return EmbLookup(dict(zip((f.name for f in t.features), outs)), res)
+
+
+def lookup_done(context: AsyncEmbContextHandle, lookup: EmbLookup) -> dict[str, jax.Array]:
+  """The embeddings of a started lookup: feature -> (B, dim) or (B, L, dim)."""
+  del context
+  return lookup.acts
+
+
+def make_gradient_update(context: AsyncEmbContextHandle, lookup: EmbLookup,
+                         grads: Mapping[str, jax.Array]) -> AsyncEmbGradientUpdate:
+  """Packs the gradient w.r.t. a lookup's outputs as a pending update."""
+  t = context.sharded_table
+  validate.check_feature_grads(context.name, t.features, grads,
+                               [lookup.acts[f.name].shape for f in t.features])
+  token_grads = programs.token_gradients(
+      t, lookup.residuals, tuple(grads[f.name] for f in t.features))
+  return AsyncEmbGradientUpdate.from_residuals(lookup.residuals, token_grads,
+                                               jnp.asarray(True))
+
+
+def empty_gradient_update(context: AsyncEmbContextHandle) -> AsyncEmbGradientUpdate:
+  """The update that applies nothing (first step, after a flush)."""
+  res, token_grads = programs.empty_residuals(context.sharded_table,
+                                              context.tokens_per_rank)
+  return AsyncEmbGradientUpdate.from_residuals(res, token_grads,
+                                               jnp.asarray(False))
+
+
+def gradient_update_start(context: AsyncEmbContextHandle,
+                          update: AsyncEmbGradientUpdate, table: jax.Array,
+                          state: EmbOptState, gate=None):
+  """Launches the table's optimizer update; see `AsyncEmbOptimizer`.
+
+  Args:
+    context: the table's context.
+    update: the `AsyncEmbGradientUpdate` to apply (from
+      `make_gradient_update`, or `empty_gradient_update`).
+    table: (S * rows_per_shard, storage_width) the stored table
+      (`TableState.table`), float32 or uint32 words of bfloat16.
+    state: its `EmbOptState` (slots (S * rows_per_shard, width), step).
+    gate: any array; the update starts only after it is computed.
+
+  `table` and `state` are donated when called eagerly (inside a jitted step
+  the step's own donation applies): use the ones returned.
+
+  Returns:
+    (pins, table, state, metrics): pins = (grad_norm, applied) arrays of the
+    update; the updated table and `EmbOptState`; metrics: dict of
+    "unique_ids", "invalid_ids", "overflow_ids", "grad_norm", "applied" (of
+    the lookup this gradient came from: embedding metrics lag one step).
+
+  Raises:
+    NotImplementedError: if the table's optimizer has no fused update.
+  """
+  opt = context.spec.optimizer
+  if not supports_async_emb(opt):
+    raise NotImplementedError(no_fused_update_message(opt))
+  return opt.gradient_update_start(context, update, table, state, gate)
+
+
+def gradient_update_done(context: AsyncEmbContextHandle, gate=None):
+  """Collects the in-flight update -> (norm, valid, done_pin).
+
+  `valid` is False when the update was skipped (non-finite norm, or an empty
+  update); then table and slots were left bit-for-bit unchanged. `done_pin`
+  is computed by the update: pass it as the `gate` of the next lookup.
+  """
+  opt = context.spec.optimizer
+  if not supports_async_emb(opt):
+    raise NotImplementedError(no_fused_update_message(opt))
+  return opt.gradient_update_done(context, gate)

@@ -1,0 +1,66 @@
+"""The DMAs that move one chunk of scattered rows between HBM and VMEM.
+
+Both kernels read (and the update writes back) rows that are scattered
+through tables far larger than VMEM: each listed row of each array is its own
+DMA, written once here, as `paged_attention`'s copy descriptor is. A chunk's
+copies of one array share one DMA semaphore, and every copy is waited with
+the same row-sized descriptor that started it, so one semaphore counts many
+copies in flight.
+
+Row ids outside [0, num_rows) -- -1 padding -- are never copied: no DMA may
+leave the table, and a skipped row's (stale) buffer row is never written back.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+
+class ChunkCopies:
+  """The row copies of one chunk, between HBM arrays and VMEM buffers.
+
+  Args:
+    ids: the SMEM ref of local row ids.
+    offset: index in `ids` of the chunk's first id.
+    hbm: the HBM refs (table, then slots), each (R, width).
+    vmem: one (C, width) VMEM ref per HBM ref: where the chunk's rows land.
+    sems: one DMA semaphore per HBM ref.
+    num_rows: R; ids outside [0, R) are skipped.
+    to_hbm: write the chunk back (VMEM -> HBM) instead of reading it.
+  """
+
+  def __init__(self, ids, offset, hbm: Sequence, vmem: Sequence,
+               sems: Sequence, *, num_rows: int, to_hbm: bool = False):
+    self._ids, self._offset = ids, offset
+    self._arrays = tuple(zip(hbm, vmem, sems))
+    self._num_rows, self._to_hbm = num_rows, to_hbm
+
+  def start(self) -> None:
+    """Starts every copy of the chunk."""
+    self._each(lambda copy: copy.start())
+
+  def wait(self) -> None:
+    """Waits for every copy of the chunk."""
+    self._each(lambda copy: copy.wait())
+
+  def _each(self, action: Callable) -> None:
+    chunk = self._arrays[0][1].shape[0]
+
+    def body(j, carry):
+      row = self._ids[self._offset + j]
+
+      @pl.when((row >= 0) & (row < self._num_rows))
+      def _():
+        for hbm, vmem, sem in self._arrays:
+          src, dst = hbm.at[pl.ds(row, 1)], vmem.at[pl.ds(j, 1)]
+          if self._to_hbm:
+            src, dst = dst, src
+          action(pltpu.make_async_copy(src, dst, sem))
+
+      return carry
+
+    lax.fori_loop(0, chunk, body, 0)

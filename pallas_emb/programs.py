@@ -1,0 +1,143 @@
+"""The jitted programs of one table over global arrays, written once.
+
+Each program runs a `shard_ops` function on every device through
+`per_device`, the one `shard_map` wrapper, and is jitted with the static
+`ShardedTable` as its first argument. The synchronous API, the asynchronous
+API and checkpoints all call these: there is one compiled lookup, one update
+(donating the table state, so it happens in place) and so on per table and
+batch shape. Called inside another jitted function they are inlined.
+
+Arguments and results are global arrays, row-sharded (P(axis)) or
+replicated (P()); per-feature arguments are tuples in `t.features` order.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from pallas_emb import shard_ops
+from pallas_emb.shard_ops import ShardedTable
+from pallas_emb.state import TableMetrics, TableResiduals, TableState, init_shard
+
+ROWS, REPLICATED = "rows", "replicated"
+
+
+def per_device(t: ShardedTable, fn: Callable, in_specs: Sequence[str],
+               out_specs) -> Callable:
+  """`fn` run on every device of `t.mesh` over `t.axis` (`shard_map`).
+
+  Args:
+    fn: a function of per-device blocks.
+    in_specs: one of ROWS (split over the axis) or REPLICATED per argument.
+    out_specs: a pytree prefix of ROWS / REPLICATED for the results.
+
+  Returns:
+    A function of global arrays. It first places each argument as its spec
+    says: `shard_map` requires the matching sharding already, and meshes with
+    Explicit axes (the default of `jax.make_mesh`) need `reshard` to get it,
+    Auto axes a sharding constraint.
+  """
+  spec = lambda s: P(t.axis) if s == ROWS else P()
+  explicit = (t.mesh.axis_types[t.mesh.axis_names.index(t.axis)]
+              == jax.sharding.AxisType.Explicit)
+
+  def place(x, s):
+    sharding = NamedSharding(t.mesh, spec(s))
+    if explicit:
+      return jax.tree.map(lambda leaf: jax.reshard(leaf, sharding), x)
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+  def call(*args):
+    mapped = jax.shard_map(
+        fn, mesh=t.mesh, in_specs=tuple(spec(s) for s in in_specs),
+        out_specs=jax.tree.map(spec, out_specs), check_vma=False)
+    return mapped(*(place(x, s) for x, s in zip(args, in_specs)))
+
+  return call
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def init(t: ShardedTable, key: jax.Array) -> TableState:
+  """The initial state of `t`; each device generates only its rows."""
+
+  def fn(k):
+    return init_shard(t.spec, t.layout, k, jax.lax.axis_index(t.axis))
+
+  table, slots = per_device(t, fn, [REPLICATED], ROWS)(key)
+  return TableState(table, slots, jnp.zeros((), jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def plan(t: ShardedTable, feature_ids: tuple[jax.Array, ...]) -> TableResiduals:
+  """The residuals of a lookup of (B, L) ids per feature, reading no row."""
+  fn = lambda *ids: shard_ops.plan_shard(t, ids)
+  return per_device(t, fn, [ROWS] * len(feature_ids), ROWS)(*feature_ids)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def lookup(t: ShardedTable, table: jax.Array,
+           feature_ids: tuple[jax.Array, ...]):
+  """-> (per-feature outputs, `TableResiduals`); see `shard_ops.lookup_shard`."""
+  fn = lambda table, *ids: shard_ops.lookup_shard(t, table, ids)
+  return per_device(t, fn, [ROWS] * (1 + len(feature_ids)), ROWS)(
+      table, *feature_ids)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def token_gradients(t: ShardedTable, res: TableResiduals,
+                    feature_grads: tuple[jax.Array, ...]) -> jax.Array:
+  """Gradients w.r.t. the outputs -> (S * tokens_per_shard, dim) per token."""
+  fn = lambda weights, *grads: shard_ops.token_grads_shard(t, weights, grads)
+  return per_device(t, fn, [ROWS] * (1 + len(feature_grads)), ROWS)(
+      res.weights, *feature_grads)
+
+
+def _update(t: ShardedTable, state: TableState, res: TableResiduals, gate,
+            grads: tuple[jax.Array, ...], token_grads_of: Callable):
+  def fn(table, slots, step, res, gate, *grads):
+    return shard_ops.update_shard(t, table, slots, step, res,
+                                  token_grads_of(res, grads), gate)
+
+  table, slots, step, metrics = per_device(
+      t, fn, [ROWS, ROWS, REPLICATED, ROWS, REPLICATED] + [ROWS] * len(grads),
+      (ROWS, ROWS, REPLICATED, REPLICATED))(
+          state.table, state.slots, state.step, res,
+          jnp.asarray(gate, jnp.bool_), *grads)
+  return TableState(table, slots, step), metrics
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+def apply_gradients(t: ShardedTable, state: TableState, res: TableResiduals,
+                    feature_grads: tuple[jax.Array, ...],
+                    gate) -> tuple[TableState, TableMetrics]:
+  """The update from gradients w.r.t. the lookup's outputs (per feature).
+
+  Expanding them to tokens happens inside the update: no token-sized array
+  exists between the two. `state` is donated.
+  """
+  return _update(t, state, res, gate, feature_grads,
+                 lambda res, grads: shard_ops.token_grads_shard(
+                     t, res.weights, grads))
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+def apply_token_gradients(t: ShardedTable, state: TableState,
+                          res: TableResiduals, token_grads: jax.Array,
+                          gate) -> tuple[TableState, TableMetrics]:
+  """The update from (S * tokens_per_shard, dim) per-token gradients (the
+  pending async update). `state` is donated."""
+  return _update(t, state, res, gate, (token_grads,),
+                 lambda res, grads: grads[0])
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def empty_residuals(t: ShardedTable, tokens_per_shard: int
+                    ) -> tuple[TableResiduals, jax.Array]:
+  """Residuals and zero token gradients of a batch that routes nothing."""
+  fn = lambda: shard_ops.empty_shard(t, tokens_per_shard)
+  return per_device(t, fn, [], ROWS)()

@@ -1,0 +1,153 @@
+"""A table's state, what its lookup leaves for the update, its metrics, and
+how state is made and read on the host.
+
+`TableState` is the only thing that changes between steps; the other two are
+per-step values. The functions here build a state (each device generating
+only its own rows) and move it between the physical, sharded order and the
+logical row order users see.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_emb import packing
+from pallas_emb.spec import TableSpec
+from sharding.layout import RowLayout
+from sharding.route import RoutePlan
+
+# Rows generated per iteration at init: bounds the temporary to a chunk.
+_INIT_CHUNK_ROWS = 32768
+
+
+class TableState(NamedTuple):
+  """One table and its optimizer state (global arrays, rows sharded).
+
+  Attributes:
+    table: (num_shards * rows_per_shard, storage_width) float32, or uint32
+      words for bfloat16 (see `packing`). Physical row order of the layout.
+    slots: slot name -> (num_shards * rows_per_shard, width) float32 | int32.
+    step: () int32, updates applied so far (the step of schedules).
+  """
+
+  table: jax.Array
+  slots: dict[str, jax.Array]
+  step: jax.Array
+
+
+class TableResiduals(NamedTuple):
+  """What the update needs from the lookup (per-device pieces, concatenated).
+
+  Attributes:
+    unique_keys: (S * unique_capacity,) int32 physical rows per data shard.
+    inverse: (S * tokens_per_shard,) int32 slot in unique_keys, -1 = none.
+    weights: per feature of the table, (B, L) float32 combiner weight of
+      each id (0 for padding and invalid ids).
+    plan: the `RoutePlan` of every device.
+    num_invalid: (S,) int32 ids outside [0, num_rows), padding excluded.
+    num_overflow: (S,) int32 distinct ids over unique_capacity.
+  """
+
+  unique_keys: jax.Array
+  inverse: jax.Array
+  weights: tuple[jax.Array, ...]
+  plan: RoutePlan
+  num_invalid: jax.Array
+  num_overflow: jax.Array
+
+
+class TableMetrics(NamedTuple):
+  """Per-step metrics of one table (replicated scalars).
+
+  Attributes:
+    unique_ids: distinct valid ids routed this step (global).
+    invalid_ids: ids outside [0, num_rows), -1 padding excluded.
+    overflow_ids: ids dropped for unique or route capacity, counted per data
+      shard and summed (an id dropped on two shards counts twice).
+    grad_norm: global L2 norm of the per-row summed gradients.
+    applied: False when the norm was not finite (or the gate was closed):
+      then table and slots are bit-for-bit unchanged.
+  """
+
+  unique_ids: jax.Array
+  invalid_ids: jax.Array
+  overflow_ids: jax.Array
+  grad_norm: jax.Array
+  applied: jax.Array
+
+
+def init_shard(spec: TableSpec, layout: RowLayout, key: jax.Array,
+               shard: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """This device's stored rows and initial slots (inside `shard_map`).
+
+  Row r is `spec.initializer(fold_in(key, r))`, whatever shard holds it, so
+  the initial table does not depend on the shard count or layout. Rows are
+  generated a chunk at a time, which bounds the temporaries.
+  """
+  rps = layout.rows_per_shard
+  width = packing.storage_width(spec.dim, spec.dtype)
+
+  def generate(start, size):
+    logical = layout.logical_of(shard * rps + start + jnp.arange(size))
+    keys = jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.maximum(logical, 0))
+    rows = jax.vmap(lambda k: spec.initializer(k, (spec.dim,), jnp.float32))(keys)
+    rows = jnp.where(logical[:, None] >= 0, rows.astype(jnp.float32), 0.0)
+    return packing.pack_rows(rows, spec.dtype)
+
+  if rps <= _INIT_CHUNK_ROWS:
+    table = generate(0, rps)
+  else:
+    full, rest = divmod(rps, _INIT_CHUNK_ROWS)
+    table = jnp.zeros((rps, width), packing.storage_dtype(spec.dtype))
+    table = jax.lax.fori_loop(
+        0, full, lambda i, t: jax.lax.dynamic_update_slice(
+            t, generate(i * _INIT_CHUNK_ROWS, _INIT_CHUNK_ROWS),
+            (i * _INIT_CHUNK_ROWS, 0)), table)
+    if rest:
+      table = jax.lax.dynamic_update_slice(
+          table, generate(full * _INIT_CHUNK_ROWS, rest),
+          (full * _INIT_CHUNK_ROWS, 0))
+  slots = {name: jnp.full(s.shape_for(rps, spec.dim), s.init, s.dtype)
+           for name, s in spec.optimizer.slot_specs().items()}
+  return table, slots
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+  """A global array on the host, gathered from every process if need be."""
+  if getattr(x, "is_fully_addressable", True):
+    return np.asarray(jax.device_get(x))
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def state_from_logical(spec: TableSpec, layout: RowLayout,
+                       sharding: jax.sharding.Sharding,
+                       replicated: jax.sharding.Sharding, table: np.ndarray,
+                       slots: dict[str, np.ndarray], step) -> TableState:
+  """A `TableState` from validated host arrays in logical row order.
+
+  Args:
+    table: (num_rows, dim) of any float dtype (cast to the table's).
+    slots: every slot, (num_rows, width) of its dtype.
+    sharding, replicated: where rows and the step go.
+  """
+  put = lambda x: jax.device_put(layout.to_physical(x), sharding)
+  return TableState(put(packing.to_storage(table, spec.dtype)),
+                    {k: put(v) for k, v in slots.items()},
+                    jax.device_put(jnp.asarray(step, jnp.int32), replicated))
+
+
+def logical_table(spec: TableSpec, layout: RowLayout,
+                  state: TableState) -> np.ndarray:
+  """(num_rows, dim) host copy of a table in logical order, of its dtype."""
+  physical = to_host(state.table)
+  return packing.from_storage(layout.to_logical(physical), spec.dtype)
+
+
+def logical_slots(layout: RowLayout, state: TableState) -> dict[str, np.ndarray]:
+  """Slot name -> (num_rows, width) host copy in logical row order."""
+  return {k: layout.to_logical(to_host(v)) for k, v in state.slots.items()}

@@ -1,0 +1,59 @@
+"""Imports go one way: each layer, imported alone in a fresh interpreter,
+loads only the layers below it (DESIGN.md's layering)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+# Module -> the pallas_emb modules (prefixes) it may load. `pallas_emb` is
+# the package itself, whose __init__ loads its public names lazily.
+LEAVES = ("pallas_emb", "pallas_emb.errors", "pallas_emb.packing")
+KERNELS = LEAVES + ("pallas_emb.kernels",)
+OPTIMIZERS = LEAVES + ("pallas_emb.optimizers",)
+SPARSE = KERNELS + OPTIMIZERS + (
+    "pallas_emb.spec", "pallas_emb.capacity", "pallas_emb.state",
+    "pallas_emb.tokens", "pallas_emb.shard_ops", "pallas_emb.programs",
+    "pallas_emb.validate", "pallas_emb.embedding")
+ALLOWED = {
+    "sharding": (),
+    "pallas_emb.errors": ("pallas_emb", "pallas_emb.errors"),
+    "pallas_emb.packing": ("pallas_emb", "pallas_emb.packing"),
+    "pallas_emb.kernels": KERNELS,
+    "pallas_emb.kernels.xla": KERNELS,
+    "pallas_emb.optimizers": OPTIMIZERS,
+    "pallas_emb.embedding": SPARSE,
+    "pallas_emb.async_emb": SPARSE + ("pallas_emb.async_emb",),
+}
+
+
+def _loaded(module: str) -> list[str]:
+  code = (f"import sys, json; import {module}; "
+          "print(json.dumps(sorted(m for m in sys.modules "
+          "if m.split('.')[0] in ('pallas_emb', 'sharding'))))")
+  out = subprocess.run([sys.executable, "-c", code], check=True,
+                       capture_output=True, text=True, timeout=120)
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("module", sorted(ALLOWED))
+def test_a_layer_loads_only_the_layers_below_it(module):
+  loaded = [m for m in _loaded(module) if m.split(".")[0] == "pallas_emb"]
+  allowed = ALLOWED[module]
+  upward = [m for m in loaded
+            if not any(m == a or m.startswith(a + ".") for a in allowed
+                       if a != "pallas_emb") and m != "pallas_emb"]
+  assert not upward, f"importing {module} loaded {upward}"
+
+
+def test_sharding_never_imports_pallas_emb():
+  assert not [m for m in _loaded("sharding") if m.startswith("pallas_emb")]
+
+
+def test_the_public_api_still_loads_from_the_package():
+  import pallas_emb as pe
+  for name in pe.__all__:
+    assert getattr(pe, name) is not None, name
+  with pytest.raises(AttributeError, match="no attribute 'nope'"):
+    getattr(pe, "nope")
