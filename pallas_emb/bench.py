@@ -174,8 +174,11 @@ class Dense:
     def step(table, acc, ids, g):
       _, vjp = jax.vjp(lambda t: t[ids], table)
       (dense_grad,) = vjp(g)
-      acc = acc + jnp.mean(dense_grad * dense_grad, axis=1, keepdims=True)
-      return table - LEARNING_RATE * dense_grad / (jnp.sqrt(acc) + EPS), acc
+      # The accumulator as (rows, 1), whatever its stored shape.
+      rows = acc.reshape(-1, 1) + jnp.mean(dense_grad * dense_grad, axis=1,
+                                           keepdims=True)
+      return (table - LEARNING_RATE * dense_grad / (jnp.sqrt(rows) + EPS),
+              rows.reshape(acc.shape))
 
     self._step = jax.jit(step, donate_argnums=(0, 1))
 

@@ -50,7 +50,8 @@ class ShardedEmbedding:
     mesh: the device mesh. The batch and every table are sharded over `axis`;
       other mesh axes (if any) hold replicas.
     axis: the mesh axis name tables and data are sharded over.
-    backend: "pallas", "interpret", "xla" or None (by platform).
+    backend: "pallas", "interpret", "xla" or None: "pallas" on a mesh of
+      TPUs, "xla" elsewhere.
   """
 
   tables: Sequence[TableSpec]
@@ -81,7 +82,8 @@ class ShardedEmbedding:
       raise SpecError(
           f"axis {self.axis!r} is not an axis of the mesh, whose axes are "
           f"{self.mesh.axis_names}; pass one of them as axis=.")
-    object.__setattr__(self, "backend", kernels.resolve_backend(self.backend))
+    object.__setattr__(self, "backend", kernels.resolve_backend(
+        self.backend, self.mesh.devices.flat))
 
   # -- static helpers ---------------------------------------------------------
 
@@ -171,7 +173,8 @@ class ShardedEmbedding:
 
   def logical_slots(self, tables: Mapping[str, TableState], name: str) -> dict[str, np.ndarray]:
     """Slot name -> (num_rows, width) host copy in logical row order."""
-    return state_lib.logical_slots(self.layout(name), tables[name])
+    return state_lib.logical_slots(self.table_spec(name), self.layout(name),
+                                   tables[name])
 
   # -- the step ---------------------------------------------------------------
 
@@ -239,7 +242,8 @@ class ShardedEmbedding:
           name, feats, grads,
           [validate.output_shape(f, w.shape, spec.dim)
            for f, w in zip(feats, res.weights)])
-      t = self.sharded_table(name, res.inverse.shape[0] // self.num_shards)
+      t = self.sharded_table(name,
+                             res.plan.token_slot.shape[0] // self.num_shards)
       tables[name], metrics[name] = programs.apply_gradients(
           t, tables[name], res, self._feature_args(name, grads), gate)
     return tables, metrics

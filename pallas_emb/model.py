@@ -55,7 +55,8 @@ class RankingModel:
 
 def build_ranking(dataset, mesh, *, emb_dim: int, optimizer,
                   backend: str | None = None, axis: str = "x",
-                  hidden: tuple[int, ...] = (128, 64)):
+                  hidden: tuple[int, ...] = (128, 64), dtype=jnp.float32,
+                  table_options: Mapping[str, Mapping] | None = None):
   """The sharded tables and the MLP for a dataset's features.
 
   Args:
@@ -66,6 +67,9 @@ def build_ranking(dataset, mesh, *, emb_dim: int, optimizer,
     backend: kernel backend (None: by platform).
     axis: the mesh axis.
     hidden: MLP hidden widths.
+    dtype: every table's dtype.
+    table_options: table name -> further `TableSpec` arguments (e.g.
+      capacities).
 
   Returns:
     (ShardedEmbedding, RankingModel).
@@ -74,7 +78,9 @@ def build_ranking(dataset, mesh, *, emb_dim: int, optimizer,
   from pallas_emb.spec import FeatureSpec, TableSpec  # pylint: disable=g-import-not-at-top
   tables = {}
   for f in dataset.features:
-    tables.setdefault(f.table, TableSpec(f.table, f.num_rows, emb_dim, optimizer=optimizer))
+    tables.setdefault(f.table, TableSpec(
+        f.table, f.num_rows, emb_dim, optimizer=optimizer, dtype=dtype,
+        **dict((table_options or {}).get(f.table, {}))))
   features = [FeatureSpec(f.name, f.table, f.combiner) for f in dataset.features]
   emb = ShardedEmbedding(tuple(tables.values()), features, mesh, axis, backend)
   model = RankingModel(tuple(f.name for f in dataset.features),

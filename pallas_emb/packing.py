@@ -2,6 +2,14 @@
 
 Rows: float32 as is, bfloat16 as packed 32-bit words.
 
+Slots: (rows, width) arrays beside the table, except that a per-row scalar
+(width 1) is stored lane-dense, (rows / 128, 128), wherever the rows of a
+shard are whole 128-row groups (`RowLayout` gives every shard of 128 rows or
+more a multiple of 128): row r at [r // 128, r % 128]. On a TPU an (R, 1)
+array is relaid out and padded 128x whenever a kernel or a reshape needs it
+(8, 128)-tiled; the grouped array is dense in every layout, and the kernels
+move whole groups (`kernels.scalar_slots`).
+
 A lone bfloat16 row is not a legal DMA on TPU, whose HBM tiles pack two
 bfloat16 *rows* into each 32-bit sublane word. Reinterpreting a (V, D) bf16
 array as words at every step would relayout the whole table, so bf16 tables are
@@ -24,6 +32,8 @@ import numpy as np
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
 # Slots move as 32-bit words, like rows.
 SLOT_DTYPES = (np.dtype(np.float32), np.dtype(np.int32))
+# Rows per lane-dense group of a per-row scalar slot.
+SLOT_GROUP = 128
 
 
 class SlotSpec(NamedTuple):
@@ -43,9 +53,30 @@ class SlotSpec(NamedTuple):
     """Columns per row of this slot for a table of width `dim`."""
     return dim if self.width is None else self.width
 
-  def shape_for(self, num_rows: int, dim: int) -> tuple[int, int]:
-    """The stored (num_rows, width) of this slot."""
+  def grouped(self, rows_per_shard: int) -> bool:
+    """Whether this slot is stored lane-dense in groups of 128 rows."""
+    return self.width == 1 and rows_per_shard % SLOT_GROUP == 0
+
+  def shape_for(self, num_rows: int, dim: int,
+                rows_per_shard: int | None = None) -> tuple[int, int]:
+    """The stored shape of this slot for `num_rows` rows of width `dim`.
+
+    Args:
+      rows_per_shard: the rows of each shard (default `num_rows`: one
+        shard); a per-row scalar of shards of whole 128-row groups is stored
+        (num_rows / 128, 128).
+    """
+    if self.grouped(num_rows if rows_per_shard is None else rows_per_shard):
+      return (num_rows // SLOT_GROUP, SLOT_GROUP)
     return (num_rows, self.width_for(dim))
+
+  def as_rows(self, stored, dim: int):
+    """A stored slot (NumPy or JAX) viewed (rows, width)."""
+    return stored.reshape(-1, self.width_for(dim))
+
+  def as_stored(self, rows, dim: int, rows_per_shard: int | None = None):
+    """A (rows, width) slot (NumPy or JAX) in its stored shape."""
+    return rows.reshape(self.shape_for(rows.shape[0], dim, rows_per_shard))
 
 
 def storage_dtype(dtype) -> np.dtype:

@@ -6,8 +6,8 @@ table and slots. Each device is at once a source (of ids) and an owner (of
 rows). Top to bottom:
 
     lookup:  dedup -> plan_route -> gather -> from_owners -> combine
-    update:  expand -> segment sum -> to_owners -> norm and gate
-             -> fused update
+    update:  expand -> to_owners (segment sum, exchange, merge) -> norm and
+             gate -> fused update
 
 `ShardedTable` is the static description both halves share; `programs`
 wraps these functions in `shard_map` and `jax.jit`.
@@ -24,13 +24,14 @@ from jax.sharding import Mesh
 
 from pallas_emb import kernels
 from pallas_emb.capacity import Capacities
+from pallas_emb.kernels.backend import platform_of
 from pallas_emb.spec import FeatureSpec, TableSpec
 from pallas_emb.state import TableMetrics, TableResiduals
 from pallas_emb.tokens import concat_tokens, split_tokens
 from sharding.dedup import Unique, dedup
 from sharding.layout import SENTINEL, RowLayout
 from sharding.route import (
-    RoutePlan, empty_plan, from_owners, plan_route, to_owners)
+    PLAN_SCALARS, RoutePlan, empty_plan, from_owners, plan_route, to_owners)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,35 +64,40 @@ class ShardedTable:
   def num_shards(self) -> int:
     return self.layout.num_shards
 
+  @property
+  def dedup_method(self) -> str:
+    """How dedup finds each id's slot: binary search on CPU, where it is
+    fastest; a sort that carries positions elsewhere (see `sharding.dedup`)."""
+    return "search" if platform_of(self.mesh.devices.flat) == "cpu" else "sort"
+
 
 # -- lookup -----------------------------------------------------------------------
 
-def _route(t: ShardedTable, ids: jax.Array) -> tuple[Unique, RoutePlan, jax.Array]:
-  """Dedup and routing of this device's (n,) ids -> (unique, plan, has_row).
+def _route(t: ShardedTable, ids: jax.Array) -> tuple[Unique, RoutePlan]:
+  """Dedup and routing of this device's (n,) ids.
 
-  `has_row` is whether each id got a row: in range, and not dropped for
-  unique or route capacity (an owner never drops one: its capacity covers
-  all it can receive).
+  An id got a row iff `plan.token_slot >= 0`: it is in range, and was not
+  dropped for unique or route capacity (an owner never drops one: its
+  capacity covers all it can receive).
   """
   caps = t.capacities
-  unique = dedup(ids, t.layout, caps.unique)
-  plan = plan_route(unique.keys, rows_per_shard=t.layout.rows_per_shard,
+  unique = dedup(ids, t.layout, caps.unique, t.dedup_method)
+  plan = plan_route(unique, rows_per_shard=t.layout.rows_per_shard,
                     num_shards=t.num_shards, route_capacity=caps.route,
-                    owner_capacity=caps.owner, axis_name=t.axis)
-  has_row = (unique.inverse >= 0) & (
-      jnp.take(plan.send_slot, jnp.maximum(unique.inverse, 0)) >= 0)
-  return unique, plan, has_row
+                    owner_capacity=caps.owner, axis_name=t.axis,
+                    method=t.dedup_method)
+  return unique, plan
 
 
 def _residuals(unique: Unique, plan: RoutePlan, weights) -> TableResiduals:
   # Per-device scalars get a leading axis, so that shard_map concatenates
   # them into (S,) arrays.
   return TableResiduals(
-      unique_keys=unique.keys, inverse=unique.inverse, weights=tuple(weights),
-      plan=plan._replace(num_owner_unique=plan.num_owner_unique[None],
-                         num_overflow=plan.num_overflow[None]),
+      weights=tuple(weights),
+      plan=plan._replace(**{f: getattr(plan, f)[None] for f in PLAN_SCALARS}),
       num_invalid=unique.num_invalid[None],
-      num_overflow=unique.num_overflow[None])
+      num_overflow=unique.num_overflow[None],
+      num_unique=unique.num_unique[None])
 
 
 def combine(rows: jax.Array, has_row: jax.Array, combiner):
@@ -117,8 +123,8 @@ def plan_shard(t: ShardedTable, feature_ids: Sequence[jax.Array]) -> TableResidu
   Args:
     feature_ids: per feature of `t`, this device's (b, L) int32 ids.
   """
-  unique, plan, has_row = _route(t, concat_tokens(feature_ids))
-  blocks = split_tokens(has_row, [x.shape for x in feature_ids])
+  unique, plan = _route(t, concat_tokens(feature_ids))
+  blocks = split_tokens(plan.token_slot >= 0, [x.shape for x in feature_ids])
   weights = [combine(jnp.zeros(v.shape + (0,)), v, f.combiner)[1]
              for f, v in zip(t.features, blocks)]
   return _residuals(unique, plan, weights)
@@ -138,14 +144,15 @@ def lookup_shard(t: ShardedTable, table: jax.Array,
     (b, L, dim) (sequence), zero for ids without a row; this device's
     `TableResiduals`.
   """
-  caps = t.capacities
-  unique, plan, has_row = _route(t, concat_tokens(feature_ids))
-  owner_rows = kernels.gather(table, plan.owner_rows, dtype=t.spec.dtype,
-                              backend=t.backend)
-  unique_rows = from_owners(plan, owner_rows, axis_name=t.axis)
-  rows = jnp.take(unique_rows, jnp.where(unique.inverse < 0, caps.unique,
-                                         unique.inverse),
-                  axis=0, mode="fill", fill_value=0)
+  unique, plan = _route(t, concat_tokens(feature_ids))
+  # Owners read the rows of the slots they received (one read per source
+  # that asked), and each id takes its slot's row.
+  slot_rows = kernels.gather(table, plan.recv_rows, dtype=t.spec.dtype,
+                             backend=t.backend)
+  rows = from_owners(plan, slot_rows, axis_name=t.axis,
+                     take=lambda x, idx: kernels.gather(
+                         x, idx, dtype=jnp.float32, backend=t.backend))
+  has_row = plan.token_slot >= 0
   shapes = [x.shape for x in feature_ids]
   outs, weights = zip(*(
       combine(r, v, f.combiner) for f, r, v in zip(
@@ -162,7 +169,7 @@ def empty_shard(t: ShardedTable, tokens_per_shard: int
                   num_unique=jnp.zeros((), jnp.int32),
                   num_overflow=jnp.zeros((), jnp.int32),
                   num_invalid=jnp.zeros((), jnp.int32))
-  plan = empty_plan(unique_capacity=caps.unique, num_shards=t.num_shards,
+  plan = empty_plan(num_ids=tokens_per_shard, num_shards=t.num_shards,
                     route_capacity=caps.route, owner_capacity=caps.owner)
   grads = jnp.zeros((tokens_per_shard, t.spec.dim), jnp.float32)
   return _residuals(unique, plan, ()), grads
@@ -205,11 +212,7 @@ def update_shard(t: ShardedTable, table, slots, step, res: TableResiduals,
     (table, slots, step, TableMetrics): nothing is written unless the global
     gradient norm is finite and `gate` is True.
   """
-  caps = t.capacities
-  unique_grads = jax.ops.segment_sum(
-      token_grads, jnp.where(res.inverse < 0, caps.unique, res.inverse),
-      num_segments=caps.unique)
-  owner_grads = to_owners(res.plan, unique_grads, axis_name=t.axis)
+  owner_grads = to_owners(res.plan, token_grads, axis_name=t.axis)
   norm = jnp.sqrt(jax.lax.psum(jnp.sum(owner_grads * owner_grads), t.axis))
   apply = jnp.isfinite(norm) & gate
   opt = t.spec.optimizer
@@ -218,9 +221,13 @@ def update_shard(t: ShardedTable, table, slots, step, res: TableResiduals,
       optimizer=opt, dtype=t.spec.dtype,
       backend=t.backend if opt.runs_in_kernel else "xla")
   psum = lambda x: jax.lax.psum(jnp.sum(x), t.axis)
+  pmax = lambda x: jax.lax.pmax(jnp.max(x), t.axis)
   metrics = TableMetrics(
       unique_ids=psum(res.plan.num_owner_unique),
       invalid_ids=psum(res.num_invalid),
       overflow_ids=psum(res.num_overflow) + psum(res.plan.num_overflow),
-      grad_norm=norm, applied=apply)
+      grad_norm=norm, applied=apply,
+      max_unique_per_shard=pmax(res.num_unique),
+      max_ids_per_route=pmax(res.plan.route_demand),
+      max_rows_per_owner=pmax(res.plan.owner_demand))
   return table, slots, step + apply.astype(jnp.int32), metrics

@@ -53,7 +53,10 @@ class TableSpec:
       counted as overflow. Rounded up to a multiple of 8 and capped at
       num_rows (see `Capacities`).
     route_capacity: ids one data shard may send to one owner per step; None =
-      unique_capacity (never overflows). Rounded up to a multiple of 8 and
+      under the "mod" layout the even share of unique_capacity with 25%
+      headroom plus 64 (see `capacity`: the exchange then scales with the ids
+      per chip, not the chip count), else unique_capacity (exact). Extra ids
+      are dropped and counted as overflow. Rounded up to a multiple of 8 and
       capped at the rows per shard.
   """
 
@@ -99,7 +102,7 @@ class TableSpec:
                       f"{self.layout!r}.")
     for field in ("unique_capacity", "route_capacity"):
       check_int(getattr(self, field), f"{owner}: {field}", error=SpecError,
-                optional=True, fix="None is exact: it never overflows.")
+                optional=True, fix="None is the default (see TableSpec).")
 
 
 @dataclasses.dataclass(frozen=True)

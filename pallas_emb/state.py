@@ -43,21 +43,20 @@ class TableResiduals(NamedTuple):
   """What the update needs from the lookup (per-device pieces, concatenated).
 
   Attributes:
-    unique_keys: (S * unique_capacity,) int32 physical rows per data shard.
-    inverse: (S * tokens_per_shard,) int32 slot in unique_keys, -1 = none.
     weights: per feature of the table, (B, L) float32 combiner weight of
       each id (0 for padding and invalid ids).
-    plan: the `RoutePlan` of every device.
+    plan: the `RoutePlan` of every device (`plan.token_slot`: where each
+      id's row comes from and its gradient goes).
     num_invalid: (S,) int32 ids outside [0, num_rows), padding excluded.
     num_overflow: (S,) int32 distinct ids over unique_capacity.
+    num_unique: (S,) int32 distinct valid ids per data shard, kept or not.
   """
 
-  unique_keys: jax.Array
-  inverse: jax.Array
   weights: tuple[jax.Array, ...]
   plan: RoutePlan
   num_invalid: jax.Array
   num_overflow: jax.Array
+  num_unique: jax.Array
 
 
 class TableMetrics(NamedTuple):
@@ -71,6 +70,12 @@ class TableMetrics(NamedTuple):
     grad_norm: global L2 norm of the per-row summed gradients.
     applied: False when the norm was not finite (or the gate was closed):
       then table and slots are bit-for-bit unchanged.
+    max_unique_per_shard: the most distinct ids one data shard had (compare
+      with `Capacities.unique`).
+    max_ids_per_route: the most ids one data shard had for one owner
+      (compare with `Capacities.route`).
+    max_rows_per_owner: the most distinct rows one owner received (compare
+      with `Capacities.owner`).
   """
 
   unique_ids: jax.Array
@@ -78,6 +83,9 @@ class TableMetrics(NamedTuple):
   overflow_ids: jax.Array
   grad_norm: jax.Array
   applied: jax.Array
+  max_unique_per_shard: jax.Array
+  max_ids_per_route: jax.Array
+  max_rows_per_owner: jax.Array
 
 
 def init_shard(spec: TableSpec, layout: RowLayout, key: jax.Array,
@@ -136,9 +144,13 @@ def state_from_logical(spec: TableSpec, layout: RowLayout,
     sharding, replicated: where rows and the step go.
   """
   put = lambda x: jax.device_put(layout.to_physical(x), sharding)
-  return TableState(put(packing.to_storage(table, spec.dtype)),
-                    {k: put(v) for k, v in slots.items()},
-                    jax.device_put(jnp.asarray(step, jnp.int32), replicated))
+  specs = spec.optimizer.slot_specs()
+  return TableState(
+      put(packing.to_storage(table, spec.dtype)),
+      {k: jax.device_put(specs[k].as_stored(layout.to_physical(v), spec.dim,
+                                            layout.rows_per_shard), sharding)
+       for k, v in slots.items()},
+      jax.device_put(jnp.asarray(step, jnp.int32), replicated))
 
 
 def logical_table(spec: TableSpec, layout: RowLayout,
@@ -148,6 +160,18 @@ def logical_table(spec: TableSpec, layout: RowLayout,
   return packing.from_storage(layout.to_logical(physical), spec.dtype)
 
 
-def logical_slots(layout: RowLayout, state: TableState) -> dict[str, np.ndarray]:
+def logical_slots(spec: TableSpec, layout: RowLayout,
+                  state: TableState) -> dict[str, np.ndarray]:
   """Slot name -> (num_rows, width) host copy in logical row order."""
-  return {k: layout.to_logical(to_host(v)) for k, v in state.slots.items()}
+  specs = spec.optimizer.slot_specs()
+  return {k: layout.to_logical(specs[k].as_rows(to_host(v), spec.dim))
+          for k, v in state.slots.items()}
+
+
+def reshard_slots(spec: TableSpec, old: RowLayout, new: RowLayout,
+                  slots) -> dict[str, np.ndarray]:
+  """Host slots stored for layout `old` -> stored for layout `new`."""
+  specs = spec.optimizer.slot_specs()
+  return {k: specs[k].as_stored(
+      old.reshard(specs[k].as_rows(np.asarray(v), spec.dim), new), spec.dim,
+      new.rows_per_shard) for k, v in slots.items()}

@@ -92,7 +92,7 @@ def check_state(spec: TableSpec, layout: RowLayout, table: Any,
   if slots is not None:
     check_slots(slots, spec.optimizer.slot_specs(), layout.num_physical_rows,
                 spec.dim, owner=type(spec.optimizer).__name__, table=name,
-                fix=_BUILD_STATE)
+                fix=_BUILD_STATE, rows_per_shard=layout.rows_per_shard)
 
 
 def check_tables(tables: Any, names: Sequence[str], spec_of, layout_of, *,
@@ -170,7 +170,7 @@ def check_logical(spec: TableSpec, table: Any, slots: Mapping | None
                      f"keeps {sorted(specs)}.")
   out = {}
   for k, s in specs.items():
-    shape = s.shape_for(spec.num_rows, spec.dim)
+    shape = (spec.num_rows, s.width_for(spec.dim))
     value = slots.get(k)
     value = (np.full(shape, s.init, s.dtype) if value is None
              else np.asarray(value, s.dtype))

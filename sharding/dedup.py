@@ -1,11 +1,19 @@
 """Static-capacity deduplication of ids: one sort, no atomics.
 
 `unique_keys` is the primitive: it sorts the int32 keys once, marks the first
-of every run, numbers the runs, and finds each input's run by binary search
-(deterministic, and on CPU 3x faster than sorting (key, position) pairs). The first
-`capacity` distinct keys get a slot; the rest are *overflow*: their tokens get
-inverse -1, exactly like invalid ids, so they read a zero row and write
-nothing. Nothing is ever clamped onto another row.
+of every run and numbers the runs. The first `capacity` distinct keys get a
+slot; the rest are *overflow*: their tokens get inverse -1, exactly like
+invalid ids, so they read a zero row and write nothing. Nothing is ever
+clamped onto another row.
+
+Two ways to find each input's slot, with identical results:
+
+* "search": binary search of each input in the kept keys. On CPU 3x faster
+  than carrying positions through the sort.
+* "sort": the sort carries each input's position and the ranks are scattered
+  back. On TPU the binary search compiles to one gather per search step over
+  all inputs, which XLA:TPU's cost model charges a tile per element (6 GB for
+  86k ids); the sort carries positions for free.
 
 `dedup` applies it to logical ids under a `RowLayout`, keyed by physical row so
 that the unique keys come out grouped by owner shard.
@@ -35,6 +43,12 @@ class Unique(NamedTuple):
     num_overflow: () int32, distinct valid keys that did not fit `capacity`.
     num_invalid: () int32, inputs outside [0, num_rows) other than PAD_ID
       (always 0 from `unique_keys`, which has no notion of range).
+    order: (n,) int32 input position of each key in ascending order, or
+      None ("sort" only: what lets routing scatter per-input results back
+      instead of gathering them).
+    sorted_keys: (n,) int32 the inputs' keys in that order, or None.
+    sorted_slot: (n,) int32 slot of each input in that order, -1 if none,
+      or None ("sort" only).
   """
 
   keys: jax.Array
@@ -42,14 +56,21 @@ class Unique(NamedTuple):
   num_unique: jax.Array
   num_overflow: jax.Array
   num_invalid: jax.Array
+  order: jax.Array | None = None
+  sorted_keys: jax.Array | None = None
+  sorted_slot: jax.Array | None = None
 
 
-def unique_keys(keys: jax.Array, capacity: int) -> Unique:
+METHODS = ("search", "sort")
+
+
+def unique_keys(keys: jax.Array, capacity: int, method: str = "search") -> Unique:
   """Distinct values of `keys` with a static capacity.
 
   Args:
     keys: (n,) int32. SENTINEL marks an input that has no key.
     capacity: static number of slots in the result, >= 1.
+    method: "search" or "sort" (see the module docstring); same result.
 
   Returns:
     A `Unique`. The largest keys overflow first: the result is deterministic
@@ -60,7 +81,13 @@ def unique_keys(keys: jax.Array, capacity: int) -> Unique:
         f"keys must be a 1-D int32 array, got {keys.dtype}{list(keys.shape)}.")
   if capacity < 1:
     raise ValueError(f"capacity must be >= 1, got {capacity}.")
-  sorted_keys = jnp.sort(keys)
+  if method not in METHODS:
+    raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
+  if method == "sort":
+    sorted_keys, position = jax.lax.sort(
+        (keys, jnp.arange(keys.shape[0], dtype=jnp.int32)), num_keys=1)
+  else:
+    sorted_keys = jnp.sort(keys)
   valid = sorted_keys != SENTINEL
   prev = jnp.concatenate([jnp.full((1,), SENTINEL, jnp.int32), sorted_keys[:-1]])
   first = valid & (sorted_keys != prev)
@@ -68,11 +95,16 @@ def unique_keys(keys: jax.Array, capacity: int) -> Unique:
   out_keys = jnp.full((capacity,), SENTINEL, jnp.int32).at[
       jnp.where(first & (rank < capacity), rank, capacity)].set(
           sorted_keys, mode="drop", unique_indices=True)
-  # Each key's slot by binary search in the kept keys: cheaper on CPU than
-  # carrying positions through the sort and scattering the ranks back.
-  slot = jnp.minimum(jnp.searchsorted(out_keys, keys, method="scan_unrolled"),
-                     capacity - 1).astype(jnp.int32)
-  inverse = jnp.where((keys != SENTINEL) & (out_keys[slot] == keys), slot, -1)
+  order = sorted_slot = None
+  if method == "sort":
+    # Every input has a run (its rank); scatter the kept ones back in place.
+    order, sorted_slot = position, jnp.where(valid & (rank < capacity), rank, -1)
+    inverse = jnp.zeros_like(keys).at[order].set(sorted_slot,
+                                                 unique_indices=True)
+  else:
+    slot = jnp.minimum(jnp.searchsorted(out_keys, keys, method="scan_unrolled"),
+                       capacity - 1).astype(jnp.int32)
+    inverse = jnp.where((keys != SENTINEL) & (out_keys[slot] == keys), slot, -1)
   num_unique = jnp.sum(first, dtype=jnp.int32)
   return Unique(
       keys=out_keys,
@@ -80,10 +112,14 @@ def unique_keys(keys: jax.Array, capacity: int) -> Unique:
       num_unique=num_unique,
       num_overflow=jnp.maximum(num_unique - capacity, 0),
       num_invalid=jnp.zeros((), jnp.int32),
+      order=order,
+      sorted_keys=None if order is None else sorted_keys,
+      sorted_slot=sorted_slot,
   )
 
 
-def dedup(ids: jax.Array, layout: RowLayout, capacity: int) -> Unique:
+def dedup(ids: jax.Array, layout: RowLayout, capacity: int,
+          method: str = "search") -> Unique:
   """Deduplicates logical ids, keyed by physical row.
 
   Args:
@@ -91,6 +127,7 @@ def dedup(ids: jax.Array, layout: RowLayout, capacity: int) -> Unique:
       [0, layout.num_rows) is invalid.
     layout: where the rows live; keys are `layout.physical_of(id)`.
     capacity: static number of unique slots.
+    method: see `unique_keys`.
 
   Returns:
     A `Unique` whose keys are physical rows, ascending, hence grouped by owner.
@@ -101,6 +138,6 @@ def dedup(ids: jax.Array, layout: RowLayout, capacity: int) -> Unique:
   in_range = (ids >= 0) & (ids < layout.num_rows)
   keys = jnp.where(in_range, layout.physical_of(jnp.where(in_range, ids, 0)),
                    SENTINEL).astype(jnp.int32)
-  result = unique_keys(keys, capacity)
+  result = unique_keys(keys, capacity, method)
   num_invalid = jnp.sum(~in_range & (ids != PAD_ID), dtype=jnp.int32)
   return result._replace(num_invalid=num_invalid)

@@ -26,8 +26,11 @@ import numpy as np
 # The largest int32 is reserved: dedup sorts it last and treats it as "no row".
 SENTINEL = np.iinfo(np.int32).max
 # Rows per shard are padded to a multiple of the TPU sublane count, so every
-# shard's block is (8, 128)-tile aligned.
+# shard's block is (8, 128)-tile aligned; shards of GROUP_ALIGNMENT rows or
+# more to a multiple of that, so that a per-row scalar state of the shard,
+# (rows, 1), is whole 128-lane rows (lane-dense) when viewed (rows / 128, 128).
 ROW_ALIGNMENT = 8
+GROUP_ALIGNMENT = 128
 
 LayoutKind = Literal["mod", "range"]
 
@@ -81,8 +84,10 @@ class RowLayout:
 
   @property
   def rows_per_shard(self) -> int:
-    """Physical rows on each shard, a multiple of 8."""
-    return round_up(-(-self.num_rows // self.num_shards), ROW_ALIGNMENT)
+    """Physical rows on each shard: a multiple of 8, and of 128 from 128."""
+    rows = -(-self.num_rows // self.num_shards)
+    return round_up(rows, ROW_ALIGNMENT if rows < GROUP_ALIGNMENT
+                    else GROUP_ALIGNMENT)
 
   @property
   def num_physical_rows(self) -> int:

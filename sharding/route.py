@@ -1,13 +1,22 @@
-"""Moving unique ids to the shards that own their rows, and values back.
+"""Moving ids to the shards that own their rows, and values both ways.
 
 Every function here runs inside `jax.shard_map` over the table axis: each
-device is at once a *source* (it holds a data shard's unique ids) and an
-*owner* (it holds a row shard). One routing plan serves both directions:
+device is at once a *source* (it holds a data shard's ids) and an *owner* (it
+holds a row shard). A source sends each of its distinct ids once, to its
+owner, in a buffer of `num_shards * route_capacity` slots (one block per
+owner); every id of the source maps to the slot of its distinct id
+(`RoutePlan.token_slot`). One plan serves both directions:
 
-* lookup: owners gather their rows, `from_owners` returns them to the sources;
-* update: `to_owners` sends each source's per-id gradients to the owners and
-  sums the same row arriving from several sources (fixed source order, so the
-  sum is deterministic).
+* lookup: owners read the rows of the slots they received, `from_owners`
+  returns them, and each id takes its slot's row;
+* update: `to_owners` sums each source's per-id gradients into its slots,
+  sends them, and each owner sums the same row arriving from several sources
+  (fixed source order, so the sum is deterministic).
+
+So per direction a source runs one row gather or one segment sum, and the
+ids map to their slots without a gather when dedup sorted them ("sort"): the
+slots are computed in sorted order and scattered back, which is what the
+TPU compiler handles well (see `sharding.dedup`).
 
 Buffers are static: each source sends at most `route_capacity` ids to each
 owner, and each owner merges at most `owner_capacity` distinct rows. Ids over
@@ -16,7 +25,7 @@ either capacity are counted as overflow and dropped (zero row, no update).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,39 +35,62 @@ from sharding.layout import SENTINEL
 
 
 class RoutePlan(NamedTuple):
-  """Per-device routing of one table's unique ids (all int32).
+  """Per-device routing of one table's ids (all int32).
 
   Attributes:
-    send_slot: (unique_capacity,) slot `owner * route_capacity + position` of
-      each source-side unique id in the send buffer, -1 if it has none.
-    owner_rows: (owner_capacity,) local rows this owner must read/update,
-      ascending, -1 padding. Distinct: the update kernel relies on it.
-    owner_inverse: (num_shards * route_capacity,) slot in `owner_rows` of each
-      received id, -1 for an empty or dropped slot.
-    num_owner_unique: () distinct rows received by this owner.
+    token_slot: (n,) slot `owner * route_capacity + position` of each id of
+      this source in the send buffer, -1 if it has none (padding, invalid,
+      or dropped for capacity).
+    send_keys: (num_shards * route_capacity,) physical row this source sent
+      in each slot, SENTINEL for an empty slot: its distinct ids, grouped by
+      owner.
+    recv_rows: (num_shards * route_capacity,) local row asked for in each
+      slot this owner received, -1 for an empty slot.
+    owner_rows: (owner_capacity,) distinct local rows this owner must
+      read/update, ascending, -1 padding. Distinct: the update kernel relies
+      on it.
+    owner_inverse: (num_shards * route_capacity,) slot in `owner_rows` of
+      each received id, -1 for an empty or dropped slot.
+    num_owner_unique: () distinct rows received by this owner (kept).
     num_overflow: () ids dropped by this device for route or owner capacity.
+    route_demand: () the most ids this source had for one owner, before
+      the route capacity cut them.
+    owner_demand: () distinct rows this owner received, before the owner
+      capacity cut them.
   """
 
-  send_slot: jax.Array
+  token_slot: jax.Array
+  send_keys: jax.Array
+  recv_rows: jax.Array
   owner_rows: jax.Array
   owner_inverse: jax.Array
   num_owner_unique: jax.Array
   num_overflow: jax.Array
+  route_demand: jax.Array
+  owner_demand: jax.Array
 
 
-def empty_plan(*, unique_capacity: int, num_shards: int, route_capacity: int,
+# The per-device scalar fields of a RoutePlan.
+PLAN_SCALARS = ("num_owner_unique", "num_overflow", "route_demand",
+                "owner_demand")
+
+
+def empty_plan(*, num_ids: int, num_shards: int, route_capacity: int,
                owner_capacity: int) -> RoutePlan:
   """The plan of a device that routes nothing (no id, no owner row).
 
   Shaped like `plan_route`'s result for the same capacities, so an update
   that applies nothing has the same structure as one that does.
   """
-  full = lambda n, v: jnp.full((n,), v, jnp.int32)
-  return RoutePlan(send_slot=full(unique_capacity, -1),
-                   owner_rows=full(owner_capacity, -1),
-                   owner_inverse=full(num_shards * route_capacity, -1),
-                   num_owner_unique=jnp.zeros((), jnp.int32),
-                   num_overflow=jnp.zeros((), jnp.int32))
+  full = lambda n: jnp.full((n,), -1, jnp.int32)
+  zero = jnp.zeros((), jnp.int32)
+  slots = num_shards * route_capacity
+  return RoutePlan(token_slot=full(num_ids),
+                   send_keys=jnp.full((slots,), SENTINEL, jnp.int32),
+                   recv_rows=full(slots),
+                   owner_rows=full(owner_capacity), owner_inverse=full(slots),
+                   num_owner_unique=zero, num_overflow=zero,
+                   route_demand=zero, owner_demand=zero)
 
 
 def _drop_negative(idx: jax.Array, size: int) -> jax.Array:
@@ -66,56 +98,96 @@ def _drop_negative(idx: jax.Array, size: int) -> jax.Array:
   return jnp.where(idx < 0, size, idx)
 
 
+def _slots(keys: jax.Array, ranks: jax.Array, *, rows_per_shard: int,
+           route_capacity: int):
+  """Send slots of ascending keys, without a gather.
+
+  Args:
+    keys: ascending physical rows (SENTINEL last).
+    ranks: each key's rank among the distinct keys, -1 for none; ascending
+      over the keys that have one.
+
+  Returns:
+    (slot, position, owner): the send slot of each key (-1 for none), its
+    position among its owner's keys (negative for none), and its owner.
+  """
+  has = ranks >= 0
+  owner = jnp.where(has, keys // rows_per_shard, -1)
+  prev = jnp.concatenate([jnp.full((1,), -1, jnp.int32), owner[:-1]])
+  # Each owner's keys are one run; the rank of its first key, carried along
+  # the run by a running max (ranks ascend), gives each key's position.
+  first = jax.lax.cummax(jnp.where(has & (owner != prev), ranks, -1))
+  position = jnp.where(has, ranks - first, -1)
+  fits = has & (position < route_capacity)
+  return jnp.where(fits, owner * route_capacity + position, -1), position, owner
+
+
 def plan_route(
-    unique_physical: jax.Array,
+    unique: Unique,
     *,
     rows_per_shard: int,
     num_shards: int,
     route_capacity: int,
     owner_capacity: int,
     axis_name,
+    method: str = "search",
 ) -> RoutePlan:
-  """Buckets sorted physical row ids by owner and exchanges them.
+  """Buckets a source's distinct physical rows by owner and exchanges them.
 
   Args:
-    unique_physical: (unique_capacity,) int32 distinct physical rows,
-      ascending, SENTINEL-padded (the keys of `sharding.dedup.dedup`).
+    unique: this source's dedup of its ids (`sharding.dedup.dedup`): keys
+      are distinct physical rows, ascending, hence grouped by owner.
     rows_per_shard: rows held by each owner (`RowLayout.rows_per_shard`).
     num_shards: size of `axis_name`.
     route_capacity: ids one source may send to one owner.
     owner_capacity: distinct rows one owner may receive.
     axis_name: the mesh axis the table is sharded over.
+    method: how the owner merges what it receives (`dedup.unique_keys`).
   """
-  keys = unique_physical
+  keys = unique.keys
   capacity = keys.shape[0]
   valid = keys != SENTINEL
-  owner = jnp.where(valid, keys // rows_per_shard, 0)
-  # Keys ascend, so each owner's ids form one run starting at its first key.
-  starts = jnp.searchsorted(
-      keys, jnp.arange(num_shards, dtype=jnp.int32) * rows_per_shard
-  ).astype(jnp.int32)
-  position = jnp.arange(capacity, dtype=jnp.int32) - starts[owner]
-  fits = valid & (position < route_capacity)
-  send_slot = jnp.where(fits, owner * route_capacity + position, -1)
+  slot, position, owner = _slots(
+      keys, jnp.where(valid, jnp.arange(capacity, dtype=jnp.int32), -1),
+      rows_per_shard=rows_per_shard, route_capacity=route_capacity)
+  if unique.order is not None:
+    # Sorted inputs: their slots come out in sorted order; scatter them back.
+    token_slot = _slots(unique.sorted_keys, unique.sorted_slot,
+                        rows_per_shard=rows_per_shard,
+                        route_capacity=route_capacity)[0]
+    token_slot = jnp.zeros_like(token_slot).at[unique.order].set(
+        token_slot, unique_indices=True)
+  else:
+    token_slot = jnp.where(
+        unique.inverse >= 0,
+        jnp.take(slot, jnp.maximum(unique.inverse, 0)), -1)
   num_slots = num_shards * route_capacity
   send_rows = jnp.full((num_slots,), -1, jnp.int32).at[
-      _drop_negative(send_slot, num_slots)].set(
+      _drop_negative(slot, num_slots)].set(
           keys - owner * rows_per_shard, mode="drop", unique_indices=True)
   recv_rows = _exchange(send_rows, axis_name)
+  slot_owner = jnp.arange(num_slots, dtype=jnp.int32) // route_capacity
+  send_keys = jnp.where(send_rows >= 0, send_rows + slot_owner * rows_per_shard,
+                        SENTINEL)
   if num_shards == 1 and owner_capacity >= num_slots:
     # One source: what arrives is already distinct and ascending, so the
     # owner-side merge is the identity and its sort can be skipped.
     merged = _identity_merge(recv_rows, owner_capacity)
   else:
     merged = unique_keys(jnp.where(recv_rows >= 0, recv_rows, SENTINEL),
-                         owner_capacity)
+                         owner_capacity, method)
   return RoutePlan(
-      send_slot=send_slot,
+      token_slot=token_slot,
+      send_keys=send_keys,
+      recv_rows=recv_rows,
       owner_rows=jnp.where(merged.keys != SENTINEL, merged.keys, -1),
       owner_inverse=merged.inverse,
       num_owner_unique=jnp.minimum(merged.num_unique, owner_capacity),
-      num_overflow=jnp.sum(valid & ~fits, dtype=jnp.int32)
+      num_overflow=jnp.sum(valid & (slot < 0), dtype=jnp.int32)
       + merged.num_overflow,
+      # A run's last key has position run length - 1.
+      route_demand=jnp.max(position) + 1,
+      owner_demand=merged.num_unique,
   )
 
 
@@ -133,68 +205,60 @@ def _identity_merge(rows: jax.Array, capacity: int) -> Unique:
 
 
 def to_owners(plan: RoutePlan, values: jax.Array, *, axis_name) -> jax.Array:
-  """Sends per-unique-id values to their owners and merges duplicates.
+  """Sums per-id values into their slots, sends them, merges duplicates.
 
   Args:
     plan: this device's `RoutePlan`.
-    values: (unique_capacity, ...) one value per source-side unique id.
+    values: (n, ...) one value per id of this source (ids without a slot
+      are dropped).
 
   Returns:
-    (owner_capacity, ...) per owner row, summed over sources in source order;
-    zero for padding rows (with one shard, where nothing moves: `values` of
-    its padding slots, which must be zero as segment sums leave them).
+    (owner_capacity, ...) per owner row, summed in id order per source, then
+    over sources in source order; zero for padding rows.
   """
-  if _is_identity(plan, axis_name):
-    # Padding slots have no ids, so a segment sum left them zero already.
-    return values
   num_slots = plan.owner_inverse.shape[0]
-  send = jnp.zeros((num_slots,) + values.shape[1:], values.dtype).at[
-      _drop_negative(plan.send_slot, num_slots)].set(
-          values, mode="drop", unique_indices=True)
-  recv = _exchange(send, axis_name)
+  send = jax.ops.segment_sum(values, _drop_negative(plan.token_slot, num_slots),
+                             num_segments=num_slots)
+  if _is_identity(plan, axis_name):
+    # One source and every slot its own owner row: nothing moves or merges.
+    return send
   owner_capacity = plan.owner_rows.shape[0]
   return jax.ops.segment_sum(
-      recv, _drop_negative(plan.owner_inverse, owner_capacity),
+      _exchange(send, axis_name),
+      _drop_negative(plan.owner_inverse, owner_capacity),
       num_segments=owner_capacity)
 
 
-def from_owners(plan: RoutePlan, owner_values: jax.Array, *,
-                axis_name) -> jax.Array:
-  """Returns per-owner-row values to every source that asked for them.
-
-  Args:
-    plan: this device's `RoutePlan`.
-    owner_values: (owner_capacity, ...) values of `plan.owner_rows`.
-
-  Returns:
-    (unique_capacity, ...) per source-side unique id; zero for dropped ids.
-  """
-  if _is_identity(plan, axis_name):
-    return _zero_where(plan.send_slot < 0, owner_values)
-  back = _take_or_zero(owner_values, plan.owner_inverse)
-  return _take_or_zero(_exchange(back, axis_name), plan.send_slot)
-
-
-def _is_identity(plan: RoutePlan, axis_name) -> bool:
-  """One shard and no capacity cut: unique slot i is owner row i (static).
-
-  Then `send_slot[i]` is i (or -1 with a zero value) and so is
-  `owner_inverse`: the exchange and both scatters can be skipped.
-  """
-  return (jax.lax.axis_size(axis_name) == 1
-          and plan.send_slot.shape == plan.owner_inverse.shape
-          == plan.owner_rows.shape)
-
-
-def _zero_where(mask: jax.Array, x: jax.Array) -> jax.Array:
-  return jnp.where(mask.reshape(mask.shape + (1,) * (x.ndim - 1)),
-                   jnp.zeros((), x.dtype), x)
-
-
-def _take_or_zero(x: jax.Array, idx: jax.Array) -> jax.Array:
+def take_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
   """x[idx] along axis 0, zero where idx < 0."""
   return jnp.take(x, _drop_negative(idx, x.shape[0]), axis=0, mode="fill",
                   fill_value=0)
+
+
+def from_owners(plan: RoutePlan, slot_values: jax.Array, *, axis_name,
+                take: Callable[[jax.Array, jax.Array], jax.Array] = take_rows
+                ) -> jax.Array:
+  """Returns what owners computed per received slot to the ids that asked.
+
+  Args:
+    plan: this device's `RoutePlan`.
+    slot_values: (num_shards * route_capacity, ...) the owner's value for
+      each slot it received (e.g. the rows of `plan.recv_rows`).
+    take: how each id takes its slot's value, `take_rows` semantics (the
+      caller may pass a faster row gather for its platform).
+
+  Returns:
+    (n, ...) per id of this source; zero for ids without a slot.
+  """
+  back = slot_values if _is_identity(plan, axis_name) else _exchange(
+      slot_values, axis_name)
+  return take(back, plan.token_slot)
+
+
+def _is_identity(plan: RoutePlan, axis_name) -> bool:
+  """One shard and no capacity cut: slot i is owner row i (static)."""
+  return (jax.lax.axis_size(axis_name) == 1
+          and plan.owner_inverse.shape == plan.owner_rows.shape)
 
 
 def _exchange(x: jax.Array, axis_name) -> jax.Array:

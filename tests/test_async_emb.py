@@ -234,7 +234,8 @@ def test_eager_start_done_applies_and_reports():
   assert ctx.in_flight
   norm, valid, pin = pe.gradient_update_done(ctx, gate=m["grad_norm"])
   assert bool(valid) and float(norm) > 0 and int(pin) == 1 and not ctx.in_flight
-  assert set(m) == {"unique_ids", "invalid_ids", "overflow_ids", "grad_norm", "applied"}
+  assert set(m) == {"unique_ids", "invalid_ids", "overflow_ids", "grad_norm", "applied",
+                    "max_unique_per_shard", "max_ids_per_route", "max_rows_per_owner"}
   after = emb.logical_table({"t": pe.TableState(table, opt_state.slots, opt_state.step)}, "t")
   assert (after != before).any()
   # The empty update applies nothing.

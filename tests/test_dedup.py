@@ -9,8 +9,13 @@ from sharding.dedup import PAD_ID, dedup, unique_keys
 from sharding.layout import SENTINEL, RowLayout
 
 
-def _check_unique(ids, layout, capacity):
-  u = jax.jit(dedup, static_argnums=(1, 2))(jnp.asarray(ids, jnp.int32), layout, capacity)
+# Both ways of finding each id's slot must give the same result.
+METHODS = pytest.mark.parametrize("method", ["search", "sort"])
+
+
+def _check_unique(ids, layout, capacity, method="search"):
+  u = jax.jit(dedup, static_argnums=(1, 2, 3))(jnp.asarray(ids, jnp.int32), layout,
+                                               capacity, method)
   keys, inverse = np.asarray(u.keys), np.asarray(u.inverse)
   valid = (ids >= 0) & (ids < layout.num_rows)
   distinct = np.unique(layout.physical_of(ids[valid]))
@@ -28,36 +33,40 @@ def _check_unique(ids, layout, capacity):
   return u
 
 
+@METHODS
 @pytest.mark.parametrize("layout", [RowLayout(100, 1), RowLayout(100, 8), RowLayout(100, 3, "range")])
-def test_dedup_matches_numpy(layout):
+def test_dedup_matches_numpy(layout, method):
   ids = np.random.default_rng(1).integers(0, 100, 300).astype(np.int32)
-  _check_unique(ids, layout, 128)
+  _check_unique(ids, layout, 128, method)
 
 
-def test_invalid_ids_are_masked_and_counted():
+@METHODS
+def test_invalid_ids_are_masked_and_counted(method):
   layout = RowLayout(50, 4)
   ids = np.array([3, -1, 50, 3, 2**31 - 1, -7, 49, 0, -1], np.int32)
-  u = _check_unique(ids, layout, 16)
+  u = _check_unique(ids, layout, 16, method)
   assert int(u.num_invalid) == 3  # 50, 2**31-1, -7; the -1 are padding
   assert int(u.num_unique) == 3
 
 
-def test_overflow_drops_whole_ids_never_clamps():
+@METHODS
+def test_overflow_drops_whole_ids_never_clamps(method):
   layout = RowLayout(1000, 1)
   ids = np.arange(40, dtype=np.int32)[::-1].copy()
-  u = _check_unique(ids, layout, 16)
+  u = _check_unique(ids, layout, 16, method)
   assert int(u.num_overflow) == 24
   inverse = np.asarray(u.inverse)
   # The kept ids are the 16 smallest keys; every other token has no slot.
   assert set(ids[inverse >= 0]) == set(range(16))
 
 
-def test_result_does_not_depend_on_input_order():
+@METHODS
+def test_result_does_not_depend_on_input_order(method):
   layout = RowLayout(64, 4)
   ids = np.random.default_rng(2).integers(0, 64, 200).astype(np.int32)
-  a = dedup(jnp.asarray(ids), layout, 24)
+  a = dedup(jnp.asarray(ids), layout, 24, method)
   perm = np.random.default_rng(3).permutation(200)
-  b = dedup(jnp.asarray(ids[perm]), layout, 24)
+  b = dedup(jnp.asarray(ids[perm]), layout, 24, method)
   np.testing.assert_array_equal(a.keys, b.keys)
   np.testing.assert_array_equal(np.asarray(a.inverse)[perm], b.inverse)
 
@@ -67,3 +76,5 @@ def test_unique_keys_validates():
     unique_keys(jnp.zeros((4,), jnp.float32), 4)
   with pytest.raises(ValueError, match="capacity must be >= 1, got 0"):
     unique_keys(jnp.zeros((4,), jnp.int32), 0)
+  with pytest.raises(ValueError, match="method must be one of"):
+    unique_keys(jnp.zeros((4,), jnp.int32), 4, "hash")

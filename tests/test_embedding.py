@@ -247,7 +247,7 @@ def test_update_is_in_place_with_donated_buffers():
   # No table-sized temporary: the compiled update's scratch is far below one
   # shard of the table (4096 x 128 float32 = 2 MiB per device).
   from pallas_emb import programs
-  t = emb.sharded_table("t", res["t"].inverse.shape[0] // 8)
+  t = emb.sharded_table("t", res["t"].plan.token_slot.shape[0] // 8)
   compiled = programs.apply_gradients.lower(
       t, new["t"], res["t"], (grads["bag"], grads["seq"]), jnp.bool_(True)).compile()
   shard_bytes = new["t"].table.nbytes // 8

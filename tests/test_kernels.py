@@ -34,7 +34,9 @@ OPT_IDS = [type(o).__name__ for o in OPTIMIZERS]
 DTYPES = [jnp.float32, jnp.bfloat16]
 DTYPE_IDS = ["f32", "bf16"]
 
-NUM_ROWS, DIM, CHUNK = 48, 16, 16
+# 256 rows: two 128-row groups of the per-row scalar slots, each shared by
+# many ids, whose runs cross chunk boundaries.
+NUM_ROWS, DIM, CHUNK = 256, 16, 16
 STEP = 7  # the step of the scalars; int32 slots (last_step, count) stay below
 
 
@@ -43,7 +45,7 @@ def _state(opt, dtype, rng, num_rows=NUM_ROWS, dim=DIM):
   table = packing.to_storage(rng.normal(size=(num_rows, dim)), dtype)
   slots = {}
   for name, s in opt.slot_specs().items():
-    shape = (num_rows, dim if s.width is None else s.width)
+    shape = s.shape_for(num_rows, dim)  # per-row scalars in 128-row groups
     if np.dtype(s.dtype) == np.int32:
       slots[name] = rng.integers(0, STEP, shape).astype(np.int32)
     else:  # accumulators and second moments are positive
@@ -51,25 +53,29 @@ def _state(opt, dtype, rng, num_rows=NUM_ROWS, dim=DIM):
   return table, slots
 
 
+def _ascending(rng, num_rows, count):
+  """`count` distinct ids in [0, num_rows), ascending, as routing makes them."""
+  return np.sort(rng.choice(num_rows, count, replace=False)).astype(np.int32)
+
+
 def _rows(case, rng, num_rows=NUM_ROWS):
   """(U,) int32 local row ids for a test case, and whether to apply."""
-  ids = rng.permutation(num_rows).astype(np.int32)
   if case == "full_chunks":  # U a multiple of chunk_rows
-    return ids[:2 * CHUNK], True
+    return _ascending(rng, num_rows, 2 * CHUNK), True
   if case == "partial_last_chunk":  # 2 full chunks and one of 8 ids
-    return ids[:2 * CHUNK + 8], True
-  if case == "interleaved_padding":  # -1 between ids, last chunk partial
-    rows = ids[:2 * CHUNK + 4].copy()
-    rows[::3] = -1
+    return _ascending(rng, num_rows, 2 * CHUNK + 8), True
+  if case == "padding_last":  # -1 after the ids, mid-chunk, last chunk partial
+    rows = np.full(2 * CHUNK + 4, -1, np.int32)
+    rows[:CHUNK + 5] = _ascending(rng, num_rows, CHUNK + 5)
     return rows, True
   if case == "all_padding":
     return np.full(CHUNK + 8, -1, np.int32), True
   if case == "apply_false":
-    return ids[:2 * CHUNK], False
+    return _ascending(rng, num_rows, 2 * CHUNK), False
   raise ValueError(case)
 
 
-CASES = ["full_chunks", "partial_last_chunk", "interleaved_padding", "all_padding",
+CASES = ["full_chunks", "partial_last_chunk", "padding_last", "all_padding",
          "apply_false"]
 
 
@@ -137,7 +143,7 @@ def test_default_chunk_covers_ids_in_one_step_and_interpret_true_works():
   opt = pe.RowWiseAdagrad(0.1)
   rng = np.random.default_rng(2)
   table, slots = _state(opt, jnp.float32, rng)
-  rows = rng.permutation(NUM_ROWS)[:20].astype(np.int32)
+  rows = _ascending(rng, NUM_ROWS, 20)
   grads = rng.normal(size=(20, DIM)).astype(np.float32)
   args = (table, slots, rows, grads, opt.scalars(jnp.int32(3)), True)
   want = jax.jit(_update_fn("xla", opt, jnp.float32))(*args)
@@ -145,6 +151,26 @@ def test_default_chunk_covers_ids_in_one_step_and_interpret_true_works():
   _assert_same(got[0], want[0])
   _assert_same(got[1]["acc"], want[1]["acc"])
   _assert_same(gather(table, rows, dtype=jnp.float32, interpret=True),
+               xla.gather(table, rows, dtype=jnp.float32))
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS[2:], ids=OPT_IDS[2:])
+def test_ids_stream_through_smem_in_windows(opt):
+  # Windows of one chunk: 40 ids take 3 kernel calls, chained in place.
+  rng = np.random.default_rng(4)
+  table, slots = _state(opt, jnp.float32, rng)
+  rows, _ = _rows("padding_last", rng)
+  grads = rng.normal(size=(rows.size, DIM)).astype(np.float32)
+  args = (table, slots, rows, grads, opt.scalars(jnp.int32(STEP)), True)
+  want = jax.jit(_update_fn("xla", opt, jnp.float32))(*args)
+  got = jax.jit(_update_fn("pallas", opt, jnp.float32, interpret=INTERPRET,
+                           chunk_rows=8, window_rows=CHUNK))(*args)
+  _assert_same(got[0], want[0], "table")
+  for k in slots:
+    _assert_same(got[1][k], want[1][k], f"slot {k}")
+  rows = jnp.asarray(rows)
+  _assert_same(gather(table, rows, dtype=jnp.float32, interpret=INTERPRET,
+                      chunk_rows=8, window_rows=CHUNK),
                xla.gather(table, rows, dtype=jnp.float32))
 
 
@@ -161,7 +187,7 @@ def test_zero_ids_is_a_no_op():
 
 # -- under shard_map -----------------------------------------------------------
 
-SHARD_ROWS, SHARD_IDS, SHARD_CHUNK = 24, 20, 8
+SHARD_ROWS, SHARD_IDS, SHARD_CHUNK = 128, 20, 8
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -171,10 +197,10 @@ def test_kernels_under_shard_map_equal_xla(opt, dtype):
   n = mesh.shape["x"]
   rng = np.random.default_rng(4)
   table, slots = _state(opt, dtype, rng, num_rows=n * SHARD_ROWS)
-  # Per shard: 20 distinct local ids, every fourth -1 (3 chunks, the last
-  # partial); shard 3 all padding, and shard 5's update not applied.
-  rows = np.stack([rng.permutation(SHARD_ROWS)[:SHARD_IDS] for _ in range(n)]).astype(np.int32)
-  rows[:, ::4] = -1
+  # Per shard: 20 ascending local ids, the last 5 of them -1 (3 chunks, the
+  # last partial); shard 3 all padding, and shard 5's update not applied.
+  rows = np.stack([_ascending(rng, SHARD_ROWS, SHARD_IDS) for _ in range(n)])
+  rows[:, -5:] = -1
   rows[3] = -1
   apply = np.arange(n) != 5
   grads = rng.normal(size=(n * SHARD_IDS, DIM)).astype(np.float32)
@@ -216,15 +242,17 @@ def test_kernels_under_shard_map_equal_xla(opt, dtype):
     ids=["RowWiseAdagrad-f32", "LazyAdam-bf16"])
 def test_sharded_embedding_interpret_equals_xla(opt, dtype):
   def train(backend):
-    table = pe.TableSpec("t", 61, DIM, optimizer=opt, dtype=dtype)
+    # 128 rows per shard: the kernels, not the XLA fallback, update the
+    # per-row scalar slots.
+    table = pe.TableSpec("t", 8 * 128, DIM, optimizer=opt, dtype=dtype)
     feats = [pe.FeatureSpec("bag", "t", "sum"), pe.FeatureSpec("seq", "t", None)]
     emb = pe.ShardedEmbedding([table], feats, make_mesh(8), "x", backend)
     rng = np.random.default_rng(5)
     state = emb.init(jax.random.key(7))
     acts_log = []
     for _ in range(2):
-      ids = {"bag": rng.integers(-1, 61, (16, 3)).astype(np.int32),
-             "seq": rng.integers(0, 64, (16, 2)).astype(np.int32)}
+      ids = {"bag": rng.integers(-1, 8 * 128, (16, 3)).astype(np.int32),
+             "seq": rng.integers(0, 8 * 128 + 3, (16, 2)).astype(np.int32)}
       acts, res = emb.lookup(state, ids)
       acts_log.append(acts)
       grads = {k: rng.normal(size=v.shape).astype(np.float32) for k, v in acts.items()}
@@ -259,8 +287,8 @@ def test_race_detector_sees_duplicate_ids_and_nothing_else(duplicate):
   rng = np.random.default_rng(6)
   # Four chunks: from the third on, a buffer is refilled after its previous
   # chunk's write-back, which the schedule must wait for.
-  table, slots = _state(opt, jnp.float32, rng, num_rows=80)
-  rows = rng.permutation(80)[:4 * CHUNK].astype(np.int32)
+  table, slots = _state(opt, jnp.float32, rng, num_rows=128)
+  rows = _ascending(rng, 128, 4 * CHUNK)
   if duplicate:  # the same row twice in one chunk: two write-backs race
     rows[5] = rows[4]
   grads = rng.normal(size=(rows.size, DIM)).astype(np.float32)
@@ -286,7 +314,7 @@ def test_gather_has_no_races_even_with_duplicate_ids():
 def _abstract_update_args(opt, dtype, num_rows, dim, num_ids):
   sds = jax.ShapeDtypeStruct
   table = sds((num_rows, packing.storage_width(dim, dtype)), packing.storage_dtype(dtype))
-  slots = {k: sds((num_rows, dim if s.width is None else s.width), s.dtype)
+  slots = {k: sds(s.shape_for(num_rows, dim), s.dtype)
            for k, s in opt.slot_specs().items()}
   scalars = jax.tree.map(lambda _: sds((), jnp.float32), opt.scalars(jnp.int32(0)))
   return (table, slots, sds((num_ids,), jnp.int32), sds((num_ids, dim), jnp.float32),
@@ -298,7 +326,7 @@ def _abstract_update_args(opt, dtype, num_rows, dim, num_ids):
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=OPT_IDS)
 @pytest.mark.parametrize("kind", tpu_lowering.DEVICE_KINDS)
 def test_fused_update_lowers_for_tpu(kind, opt, dtype, dim):
-  args = _abstract_update_args(opt, dtype, 1000, dim, 200)
+  args = _abstract_update_args(opt, dtype, 1024, dim, 200)
   exported = tpu_lowering.export_for_tpu(
       lambda *a: fused_update(*a, optimizer=opt, dtype=dtype), *args, device_kind=kind)
   [call] = tpu_lowering.mosaic_calls(exported)
@@ -344,12 +372,16 @@ def test_export_sizes_vmem_for_the_abstract_chip():
 
 
 def test_vmem_footprint_counts_padded_tiles():
-  # f32 rows of 128, one (C, 1) slot padded to 128 lanes: every buffer is
-  # C * 128 words, and there are 2 + 2 + 2 + 3 + 1 + 2 of them.
+  # f32 rows of 128: 2 row buffers, 2 gradient blocks and 3 + 1 live values of
+  # C * 128 words; the per-row scalar slot adds two (C, 128) group buffers,
+  # its old and new (C, 1) values padded to 128 lanes, and a carried group
+  # padded to 8 sublanes.
+  c = 128
   assert vmem_footprint_bytes(dim=128, dtype=jnp.float32, slot_widths=[1],
-                              chunk_rows=128) == 12 * 128 * 128 * 4
+                              chunk_rows=c) == (12 * c * 128 + 8 * 128) * 4
+  # The gather: 2 row buffers, 2 output blocks and the unpacked rows.
   assert gather_vmem_footprint_bytes(dim=128, dtype=jnp.float32,
-                                     chunk_rows=128) == 7 * 128 * 128 * 4
+                                     chunk_rows=c) == 5 * c * 128 * 4
   # bf16 rows move as half as many words.
   assert (vmem_footprint_bytes(dim=256, dtype=jnp.bfloat16, slot_widths=[], chunk_rows=8)
           < vmem_footprint_bytes(dim=256, dtype=jnp.float32, slot_widths=[], chunk_rows=8))
@@ -408,7 +440,7 @@ def _call_update(**overrides):
     (dict(grads=np.zeros((8, DIM + 1), np.float32)), pe.InputError, r"float32\[8, 16\]"),
     (dict(grads=np.zeros((8, DIM), np.float16)), pe.InputError, "float16"),
     (dict(slots={}), pe.InputError, "acc"),
-    (dict(slots={"acc": np.zeros((NUM_ROWS, DIM), np.float32)}), pe.InputError, r"\[48, 1\]"),
+    (dict(slots={"acc": np.zeros((NUM_ROWS, DIM), np.float32)}), pe.InputError, r"\[2, 128\]"),
     (dict(dtype=jnp.bfloat16), pe.InputError, "uint32"),
     (dict(scalars=(0.1, 0.0)), pe.InputError, "NamedTuple"),
     (dict(chunk_rows=12), pe.ConfigError, "chunk_rows=16"),

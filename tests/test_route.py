@@ -14,41 +14,41 @@ from sharding.layout import RowLayout
 from sharding.route import from_owners, plan_route, to_owners
 
 
-def _route(mesh, layout, ids, values, unique_cap, route_cap, owner_cap):
+def _route(mesh, layout, ids, values, unique_cap, route_cap, owner_cap,
+           method="search"):
   """Per device: dedup its ids, route unit values to owners and rows back."""
 
   def fn(ids, values):
-    u = dedup(ids.reshape(-1), layout, unique_cap)
-    plan = plan_route(u.keys, rows_per_shard=layout.rows_per_shard,
+    u = dedup(ids.reshape(-1), layout, unique_cap, method)
+    plan = plan_route(u, rows_per_shard=layout.rows_per_shard,
                       num_shards=layout.num_shards, route_capacity=route_cap,
-                      owner_capacity=owner_cap, axis_name="x")
-    # Per unique id: the sum of this shard's values for it.
-    per_unique = jax.ops.segment_sum(
-        values.reshape(-1), jnp.where(u.inverse < 0, unique_cap, u.inverse),
-        num_segments=unique_cap)
-    owner_sums = to_owners(plan, per_unique, axis_name="x")
-    # Owners answer with their global physical row id; sources get it back.
+                      owner_capacity=owner_cap, axis_name="x", method=method)
+    owner_sums = to_owners(plan, values.reshape(-1), axis_name="x")
+    # Owners answer each slot they received with its global physical row;
+    # every id gets its answer back.
     shard = jax.lax.axis_index("x")
-    answer = jnp.where(plan.owner_rows >= 0,
-                       plan.owner_rows + shard * layout.rows_per_shard, -1)
+    answer = jnp.where(plan.recv_rows >= 0,
+                       plan.recv_rows + shard * layout.rows_per_shard, -1)
     back = from_owners(plan, answer, axis_name="x")
-    return (plan.owner_rows, owner_sums, u.keys, back,
+    return (plan.owner_rows, owner_sums, plan.token_slot, back,
             plan.num_overflow[None], plan.num_owner_unique[None])
 
   f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
   return [np.asarray(x) for x in f(ids, values)]
 
 
+@pytest.mark.parametrize("method", ["search", "sort"])
 @pytest.mark.parametrize("shards,kind", [(8, "mod"), (6, "range"), (1, "mod")])
-def test_gradients_reach_owners_summed_and_rows_come_back(shards, kind):
+def test_gradients_reach_owners_summed_and_rows_come_back(shards, kind, method):
   mesh = make_mesh(shards)
   layout = RowLayout(200, shards, kind)
   rng = np.random.default_rng(0)
   ids = rng.integers(0, 200, (shards * 40,)).astype(np.int32)
   values = rng.integers(1, 5, ids.shape).astype(np.float32)
   cap = 48
-  owner_rows, owner_sums, keys, back, overflow, n_owner = _route(
-      mesh, layout, ids, values, cap, cap, min(shards * cap, layout.rows_per_shard))
+  owner_rows, owner_sums, token_slot, back, overflow, n_owner = _route(
+      mesh, layout, ids, values, cap, cap, min(shards * cap, layout.rows_per_shard),
+      method)
   assert overflow.sum() == 0
   rps = layout.rows_per_shard
   # Every owner's rows are distinct, ascending, and the global sums are right.
@@ -67,10 +67,9 @@ def test_gradients_reach_owners_summed_and_rows_come_back(shards, kind):
       got[s * rps + int(r)] = float(v)
   assert got == expected
   assert n_owner.sum() == len(expected)
-  # The reverse route returns each source its owners' answers.
-  valid = keys != np.iinfo(np.int32).max
-  np.testing.assert_array_equal(back[valid], keys[valid])
-  assert (back[~valid] == 0).all()
+  # The reverse route returns every id its owner's answer.
+  assert (token_slot >= 0).all()
+  np.testing.assert_array_equal(back, layout.physical_of(ids))
 
 
 def test_route_overflow_is_counted_and_dropped():
@@ -80,11 +79,14 @@ def test_route_overflow_is_counted_and_dropped():
   # Every device asks for 8 ids all owned by shard 0 (ids multiple of 4).
   ids = np.tile(np.arange(0, 32, 4, dtype=np.int32), shards)
   values = np.ones_like(ids, np.float32)
-  owner_rows, owner_sums, keys, back, overflow, _ = _route(
+  owner_rows, owner_sums, token_slot, back, overflow, _ = _route(
       mesh, layout, ids, values, 8, 5, 16)
   assert overflow.tolist() == [3] * shards
   # Only the 5 smallest ids reach the owner; each from all 4 sources.
   np.testing.assert_array_equal(owner_rows[:5], np.arange(5))
   np.testing.assert_array_equal(owner_sums[:5], [4.0] * 5)
-  # The dropped ids come back as zeros, never as another row.
+  # The dropped ids have no slot and come back as zeros, never another row.
+  assert (token_slot.reshape(shards, 8)[:, 5:] == -1).all()
   assert (back.reshape(shards, 8)[:, 5:] == 0).all()
+  np.testing.assert_array_equal(back.reshape(shards, 8)[:, :5],
+                                np.tile(layout.physical_of(ids[:5]), (shards, 1)))

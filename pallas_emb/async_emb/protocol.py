@@ -30,8 +30,9 @@ class AsyncEmbGradientUpdate(NamedTuple):
   """A deferred embedding gradient (one table), applied by the next step.
 
   Attributes:
-    unique_tokens: (S * unique_capacity,) int32 physical row ids of each data
-      shard's unique ids, padded with a fill id >= vocab. Sharded.
+    unique_tokens: (S * S * route_capacity,) int32 physical row ids of each
+      data shard's unique ids, in the slots it sends them in (grouped by
+      owner), padded with a fill id >= vocab. Sharded.
     grads: (tokens_per_batch, dim) float32 gradient per id, already weighted
       by the combiner. Sharded over the data axis.
     segment_ids: (tokens_per_batch,) int32 index of each id into its shard's
@@ -41,6 +42,7 @@ class AsyncEmbGradientUpdate(NamedTuple):
     plan: the lookup's `RoutePlan` (which owner holds which unique id).
     num_invalid: (S,) int32 invalid ids per data shard in that lookup.
     num_overflow: (S,) int32 unique-capacity overflow per data shard.
+    num_unique: (S,) int32 distinct valid ids per data shard, kept or not.
   """
 
   unique_tokens: jax.Array
@@ -50,23 +52,31 @@ class AsyncEmbGradientUpdate(NamedTuple):
   plan: Optional[RoutePlan] = None
   num_invalid: Optional[jax.Array] = None
   num_overflow: Optional[jax.Array] = None
+  num_unique: Optional[jax.Array] = None
 
   @classmethod
   def from_residuals(cls, residuals: TableResiduals, token_grads: jax.Array,
                      pending) -> "AsyncEmbGradientUpdate":
     """An update from a lookup's (or `ShardedEmbedding.plan`'s) residuals and
     (S * tokens_per_shard, dim) per-token gradients in its device order."""
-    return cls(unique_tokens=residuals.unique_keys, grads=token_grads,
-               segment_ids=residuals.inverse, pending=pending,
-               plan=residuals.plan, num_invalid=residuals.num_invalid,
-               num_overflow=residuals.num_overflow)
+    plan = residuals.plan
+    # unique_tokens and segment_ids are the plan's own send_keys and
+    # token_slot; the plan does not hold them twice (a donated state may not
+    # hold one buffer twice).
+    return cls(unique_tokens=plan.send_keys, grads=token_grads,
+               segment_ids=plan.token_slot, pending=pending,
+               plan=plan._replace(send_keys=None, token_slot=None),
+               num_invalid=residuals.num_invalid,
+               num_overflow=residuals.num_overflow,
+               num_unique=residuals.num_unique)
 
   def residuals(self) -> TableResiduals:
     """The lookup residuals this update routes by."""
-    return TableResiduals(
-        unique_keys=self.unique_tokens, inverse=self.segment_ids, weights=(),
-        plan=self.plan, num_invalid=self.num_invalid,
-        num_overflow=self.num_overflow)
+    plan = self.plan._replace(send_keys=self.unique_tokens,
+                              token_slot=self.segment_ids)
+    return TableResiduals(weights=(), plan=plan, num_invalid=self.num_invalid,
+                          num_overflow=self.num_overflow,
+                          num_unique=self.num_unique)
 
 
 class EmbOptState(NamedTuple):

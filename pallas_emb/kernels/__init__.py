@@ -15,7 +15,7 @@ from __future__ import annotations
 # function by `fused_update` the module after its first call.
 from pallas_emb.kernels import fused_update as _pallas_update
 from pallas_emb.kernels import gather as _pallas_gather
-from pallas_emb.kernels import xla
+from pallas_emb.kernels import chip, xla
 from pallas_emb.kernels.backend import (
     BACKENDS, check_name, default_backend, resolve_backend)
 
@@ -25,9 +25,27 @@ def _kernel_mode(backend: str) -> bool:
   return check_name(backend) == "interpret"
 
 
+def uses_kernel(backend: str, table, slots=None, optimizer=None) -> bool:
+  """Whether `backend` runs the Pallas kernels on this stored table shard.
+
+  On a TPU a Mosaic operand is (8, 128)-tiled, but XLA keeps a table whose
+  stored rows are not a multiple of 128 lanes wide transposed in HBM, so a
+  kernel there would relayout the whole table every step: such tables take
+  the XLA path on "pallas". The interpreter ("interpret") runs the kernels
+  at any width: that is how they are tested. The update kernel also needs
+  whole 128-row groups of a shard with per-row scalar slots.
+  """
+  if check_name(backend) == "xla":
+    return False
+  if slots is not None and not _pallas_update.supports(
+      table, slots, optimizer.slot_specs()):
+    return False
+  return backend == "interpret" or table.shape[1] % chip.LANES == 0
+
+
 def gather(table, rows, *, dtype, backend: str):
   """(C,) local rows (-1 padding) of a stored table -> (C, dim) float32."""
-  if backend == "xla":
+  if not uses_kernel(backend, table):
     return xla.gather(table, rows, dtype=dtype)
   return _pallas_gather.gather(table, rows, dtype=dtype,
                                interpret=_kernel_mode(backend))
@@ -36,7 +54,7 @@ def gather(table, rows, *, dtype, backend: str):
 def fused_update(table, slots, rows, grads, scalars, apply, *, optimizer,
                  dtype, backend: str):
   """In-place optimizer update of distinct rows; see `xla.fused_update`."""
-  if backend == "xla":
+  if not uses_kernel(backend, table, slots, optimizer):
     return xla.fused_update(table, slots, rows, grads, scalars, apply,
                             optimizer=optimizer, dtype=dtype)
   return _pallas_update.fused_update(table, slots, rows, grads, scalars,

@@ -4,14 +4,18 @@
 * "interpret": the same kernels in Pallas' TPU interpreter (tests on CPU);
 * "xla": plain XLA ops, the test oracle and the fast path on CPU and GPU.
 
-The default follows the platform (TPU -> "pallas", else "xla") and can be
-overridden for a whole process with the environment variable
-PALLAS_EMB_BACKEND, e.g. to run a test suite in interpret mode.
+The default follows the devices the tables live on (a mesh of TPUs ->
+"pallas", else "xla"), not the process's default platform: a mesh over the
+TPU devices of `jax.experimental.topologies.get_topology_desc` compiles the
+Mosaic kernels from a CPU host. The environment variable PALLAS_EMB_BACKEND
+overrides the default for a whole process, e.g. to run a test suite in
+interpret mode.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Sequence
 
 import jax
 
@@ -21,12 +25,23 @@ BACKENDS = ("pallas", "interpret", "xla")
 ENV_VAR = "PALLAS_EMB_BACKEND"
 
 
-def default_backend() -> str:
-  """The backend used when none is given."""
+def platform_of(devices: Sequence[jax.Device] | None = None) -> str:
+  """The platform of `devices` ("tpu", "cpu", "gpu"), or JAX's default."""
+  if devices is None or not len(devices):
+    return jax.default_backend()
+  platforms = {d.platform for d in devices}
+  if len(platforms) != 1:
+    raise BackendError(f"the mesh mixes platforms {sorted(platforms)}; put "
+                       "the tables on devices of one platform.")
+  return platforms.pop()
+
+
+def default_backend(devices: Sequence[jax.Device] | None = None) -> str:
+  """The backend used when none is given, for tables on `devices`."""
   env = os.environ.get(ENV_VAR)
   if env:
-    return check_backend(env)
-  return "pallas" if jax.default_backend() == "tpu" else "xla"
+    return check_backend(env, devices)
+  return "pallas" if platform_of(devices) == "tpu" else "xla"
 
 
 def check_name(backend: str) -> str:
@@ -37,16 +52,20 @@ def check_name(backend: str) -> str:
   return backend
 
 
-def check_backend(backend: str) -> str:
-  """Validates a backend name; "pallas" also needs a TPU."""
+def check_backend(backend: str, devices: Sequence[jax.Device] | None = None) -> str:
+  """Validates a backend name; "pallas" also needs TPU devices."""
   check_name(backend)
-  if backend == "pallas" and jax.default_backend() != "tpu":
+  platform = platform_of(devices)
+  if backend == "pallas" and platform != "tpu":
     raise BackendError(
-        f"backend 'pallas' compiles Mosaic kernels and needs a TPU, but JAX's "
-        f"platform is {jax.default_backend()!r}; use 'interpret' to run the "
+        f"backend 'pallas' compiles Mosaic kernels and needs a TPU mesh, but "
+        f"the tables are on {platform!r} devices; use 'interpret' to run the "
         "kernels in the TPU interpreter, or 'xla'.")
   return backend
 
 
-def resolve_backend(backend: str | None) -> str:
-  return default_backend() if backend is None else check_backend(backend)
+def resolve_backend(backend: str | None,
+                    devices: Sequence[jax.Device] | None = None) -> str:
+  """`backend`, validated, or the default for tables on `devices`."""
+  return (default_backend(devices) if backend is None
+          else check_backend(backend, devices))

@@ -80,11 +80,14 @@ def check_stored_table(table, dtype) -> int:
 
 def check_slots(slots: Mapping, specs: Mapping[str, packing.SlotSpec],
                 num_rows: int, dim: int, *, owner: str, fix: str,
-                table: str | None = None) -> None:
+                table: str | None = None,
+                rows_per_shard: int | None = None) -> None:
   """Validates slots against an optimizer's `slot_specs()`: the same names,
-  and each slot (num_rows, width) of its dtype.
+  and each slot stored as `SlotSpec.shape_for` says, of its dtype.
 
   Args:
+    rows_per_shard: rows of each shard of the `num_rows` (default: one
+      shard).
     owner: the optimizer's name, for the message.
     fix: what to pass instead, for the message.
     table: the table's name, for the message.
@@ -95,11 +98,11 @@ def check_slots(slots: Mapping, specs: Mapping[str, packing.SlotSpec],
                      f"{sorted(specs)}; {fix}")
   for name, spec in specs.items():
     x = slots[name]
-    want = spec.shape_for(num_rows, dim)
+    want = spec.shape_for(num_rows, dim, rows_per_shard)
     if tuple(x.shape) != want or np.dtype(x.dtype) != np.dtype(spec.dtype):
       raise InputError(
           f"slot {name!r}{of} is {x.dtype}{list(x.shape)}, but {owner} keeps "
-          f"{np.dtype(spec.dtype)}{list(want)} (one row per table row); {fix}")
+          f"{np.dtype(spec.dtype)}{list(want)} (see pallas_emb.packing); {fix}")
 
 
 def check_scalars(scalars) -> None:

@@ -10,7 +10,7 @@ from typing import Callable, Union
 
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_emb.errors import ConfigError, InputError, VmemBudgetError
+from pallas_emb.errors import ConfigError, VmemBudgetError
 
 # TPU vregs are (8, 128) 32-bit words: VMEM buffers round rows up to 8
 # sublanes and columns up to 128 lanes, so a (C, 1) slot buffer costs as much
@@ -120,12 +120,22 @@ def check_vmem(kernel: str, footprint_of: Callable[[int], int], chunk_rows: int,
       f"TPU {chip.name} has {chip.vmem_bytes} bytes per core; {hint}.")
 
 
-def check_smem(kernel: str, num_ids: int, extra_words: int, chip: Chip) -> None:
-  """The row ids are scalar-prefetched into SMEM, which is small."""
-  need = (num_ids + extra_words) * WORD_BYTES
-  if need > chip.smem_bytes:
-    raise InputError(
-        f"{kernel}: {num_ids} row ids are scalar-prefetched into SMEM and need "
-        f"{need} bytes, but TPU {chip.name} has {chip.smem_bytes} bytes of "
-        f"SMEM; call the kernel on at most "
-        f"{chip.smem_bytes // WORD_BYTES - extra_words} ids at a time.")
+# Ids are scalar-prefetched into SMEM a window at a time; a window may fill
+# at most this much of SMEM (the rest holds other scalars and Mosaic's own).
+_SMEM_FRACTION_FOR_IDS = 0.5
+
+
+def window_ids(chip: Chip, chunk_rows: int, window_rows: int | None = None) -> int:
+  """Ids per kernel call: a multiple of `chunk_rows` that fits SMEM.
+
+  The kernels stream any number of ids: the caller splits them into windows
+  of this many ids, one kernel call each, so SMEM never limits a step.
+
+  Args:
+    window_rows: a smaller window asked for (tests exercise several windows
+      on few ids); rounded down to a multiple of `chunk_rows`.
+  """
+  fits = int(chip.smem_bytes * _SMEM_FRACTION_FOR_IDS) // WORD_BYTES
+  if window_rows is not None:
+    fits = min(fits, window_rows)
+  return max(chunk_rows, fits // chunk_rows * chunk_rows)

@@ -8,13 +8,15 @@ the same row-sized descriptor that started it, so one semaphore counts many
 copies in flight.
 
 Row ids outside [0, num_rows) -- -1 padding -- are never copied: no DMA may
-leave the table, and a skipped row's (stale) buffer row is never written back.
+leave the table, and a skipped row's (stale) buffer row is never written back
+(or, for a read that asks so, is zeroed instead).
 """
 
 from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -31,35 +33,49 @@ class ChunkCopies:
     sems: one DMA semaphore per HBM ref.
     num_rows: R; ids outside [0, R) are skipped.
     to_hbm: write the chunk back (VMEM -> HBM) instead of reading it.
+    zero_skipped: when starting reads, zero the buffer rows of skipped ids
+      (a gather's padding rows must read zero, not stale data).
+    shift: copy HBM row `id >> shift` (a lane-dense group of 2**shift rows;
+      see `scalar_slots`) instead of row `id`.
   """
 
   def __init__(self, ids, offset, hbm: Sequence, vmem: Sequence,
-               sems: Sequence, *, num_rows: int, to_hbm: bool = False):
+               sems: Sequence, *, num_rows: int, to_hbm: bool = False,
+               zero_skipped: bool = False, shift: int = 0):
     self._ids, self._offset = ids, offset
     self._arrays = tuple(zip(hbm, vmem, sems))
     self._num_rows, self._to_hbm = num_rows, to_hbm
+    self._zero_skipped = zero_skipped and not to_hbm
+    self._shift = shift
 
   def start(self) -> None:
     """Starts every copy of the chunk."""
-    self._each(lambda copy: copy.start())
+    self._each(lambda copy: copy.start(), zero=self._zero_skipped)
 
   def wait(self) -> None:
     """Waits for every copy of the chunk."""
     self._each(lambda copy: copy.wait())
 
-  def _each(self, action: Callable) -> None:
+  def _each(self, action: Callable, zero: bool = False) -> None:
     chunk = self._arrays[0][1].shape[0]
 
     def body(j, carry):
       row = self._ids[self._offset + j]
+      valid = (row >= 0) & (row < self._num_rows)
 
-      @pl.when((row >= 0) & (row < self._num_rows))
+      @pl.when(valid)
       def _():
         for hbm, vmem, sem in self._arrays:
-          src, dst = hbm.at[pl.ds(row, 1)], vmem.at[pl.ds(j, 1)]
+          src, dst = hbm.at[pl.ds(row >> self._shift, 1)], vmem.at[pl.ds(j, 1)]
           if self._to_hbm:
             src, dst = dst, src
           action(pltpu.make_async_copy(src, dst, sem))
+
+      if zero:
+        @pl.when(jnp.logical_not(valid))
+        def _():
+          for _, vmem, _ in self._arrays:
+            vmem[pl.ds(j, 1), :] = jnp.zeros((1, vmem.shape[1]), vmem.dtype)
 
       return carry
 

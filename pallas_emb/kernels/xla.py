@@ -69,9 +69,13 @@ def fused_update(
                       dtype=dtype)
   idx = _out_of_bounds(rows, table.shape[0], apply)
   take = lambda x: jnp.take(x, idx, axis=0, mode="fill", fill_value=0)
+  put = lambda x, v: x.at[idx].set(v.astype(x.dtype), mode="drop")
+  # Slots as (R, width), whatever their stored shape (see packing.SlotSpec).
+  specs, dim = optimizer.slot_specs(), grads.shape[1]
+  rows_of = {k: specs[k].as_rows(jnp.asarray(v), dim) for k, v in slots.items()}
   new_rows, new_slots = optimizer.update_rows(
       packing.unpack_rows(take(table), dtype),
-      {k: take(v) for k, v in slots.items()}, grads, scalars)
-  put = lambda x, v: x.at[idx].set(v.astype(x.dtype), mode="drop")
+      {k: take(v) for k, v in rows_of.items()}, grads, scalars)
   table = put(table, packing.pack_rows(new_rows, dtype))
-  return table, {k: put(v, new_slots[k]) for k, v in slots.items()}
+  return table, {k: put(v, new_slots[k]).reshape(slots[k].shape)
+                 for k, v in rows_of.items()}

@@ -28,6 +28,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from pallas_emb import async_emb, programs, tokens
+from pallas_emb import state as state_lib
 from pallas_emb.state import TableState
 from pallas_emb.train.step import Trainer, TrainState
 from sharding.layout import RowLayout
@@ -160,11 +161,15 @@ class Checkpointer:
       if old is None:
         tables[name] = jax.tree.map(_abstract, _table_dict(ts))
         continue
-      host = lambda x, old=old: np.zeros((old.num_physical_rows,) + x.shape[1:],
-                                         x.dtype)
-      tables[name] = {"table": host(ts.table),
-                      "slots": {k: host(v) for k, v in ts.slots.items()},
-                      "step": np.zeros((), np.int32)}
+      spec = tr.emb.table_spec(name)
+      specs = spec.optimizer.slot_specs()
+      tables[name] = {
+          "table": np.zeros((old.num_physical_rows,) + ts.table.shape[1:],
+                            ts.table.dtype),
+          "slots": {k: np.zeros(specs[k].shape_for(
+              old.num_physical_rows, spec.dim, old.rows_per_shard), v.dtype)
+                    for k, v in ts.slots.items()},
+          "step": np.zeros((), np.int32)}
     pending = {}
     for name, ctx in tr.contexts:
       names, shapes = _token_layout(ctx, meta["batch_shapes"])
@@ -189,11 +194,13 @@ class Checkpointer:
     if old is None:
       return TableState(d["table"], dict(d["slots"]), d["step"])
     emb = self.trainer.emb
-    put = lambda x: jax.device_put(old.reshard(np.asarray(x), emb.layout(name)),
-                                   emb.sharding())
-    return TableState(put(d["table"]), {k: put(v) for k, v in d["slots"].items()},
-                      jax.device_put(jnp.asarray(d["step"], jnp.int32),
-                                     emb.sharding(rows=False)))
+    new = emb.layout(name)
+    slots = state_lib.reshard_slots(emb.table_spec(name), old, new, d["slots"])
+    return TableState(
+        jax.device_put(old.reshard(np.asarray(d["table"]), new), emb.sharding()),
+        {k: jax.device_put(v, emb.sharding()) for k, v in slots.items()},
+        jax.device_put(jnp.asarray(d["step"], jnp.int32),
+                       emb.sharding(rows=False)))
 
   def _pipeline(self, tables, item, meta, batch_at, step):
     """The pending updates and started lookups of the async pipelines.

@@ -66,11 +66,15 @@ class TrainState(NamedTuple):
   step: jax.Array
 
 
+# What a step reports of each table's update, besides norm, applied, skipped.
+_COUNTS = ("unique_ids", "invalid_ids", "overflow_ids", "max_unique_per_shard",
+           "max_ids_per_route", "max_rows_per_owner")
+
+
 def _table_metrics(m: Mapping[str, jax.Array], pending, norm, valid):
   return {"grad_norm": norm, "applied": valid,
           "skipped": jnp.logical_and(pending, jnp.logical_not(valid)),
-          "unique_ids": m["unique_ids"], "invalid_ids": m["invalid_ids"],
-          "overflow_ids": m["overflow_ids"]}
+          **{k: m[k] for k in _COUNTS}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,8 +132,9 @@ class Trainer:
     Returns:
       (state, metrics): metrics has "loss", "aux", and "emb": table ->
       {"grad_norm", "applied", "skipped", "unique_ids", "invalid_ids",
-      "overflow_ids"} (for async, of the update applied in this step, i.e.
-      of step t-1's batch).
+      "overflow_ids", "max_unique_per_shard", "max_ids_per_route",
+      "max_rows_per_owner"} (see `TableMetrics`; for async, of the update
+      applied in this step, i.e. of step t-1's batch).
     """
     if self.contexts and next_batch is None:
       raise InputError(
