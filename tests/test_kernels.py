@@ -29,7 +29,8 @@ RACES = pltpu.InterpretParams(detect_races=True, vector_clock_size=8)
 
 OPTIMIZERS = [pe.SGD(0.5), pe.Adagrad(0.25),
               pe.RowWiseAdagrad(0.1, half_life_steps=3, lazy_decay=True, weight_decay=0.01),
-              pe.LazyAdam(0.05)]
+              pe.LazyAdam(0.05),
+              pe.FTRL(0.1, learning_rate_power=-0.6, l1=0.5, l2=0.02, beta=0.1)]
 OPT_IDS = [type(o).__name__ for o in OPTIMIZERS]
 DTYPES = [jnp.float32, jnp.bfloat16]
 DTYPE_IDS = ["f32", "bf16"]
