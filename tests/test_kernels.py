@@ -404,7 +404,7 @@ def _call_update(**overrides):
 
 
 @pytest.mark.parametrize("overrides,error,match", [
-    (dict(rows=np.arange(8, dtype=np.int64)), pe.InputError, "int32"),
+    (dict(rows=np.arange(8, dtype=np.int64)), pe.InputError, r"int32.*pallas_emb.int32_ids\(rows\)"),
     (dict(rows=np.zeros((2, 4), np.int32)), pe.InputError, r"1-D int32.*\[2, 4\]"),
     (dict(grads=np.zeros((8, DIM + 1), np.float32)), pe.InputError, r"float32\[8, 16\]"),
     (dict(grads=np.zeros((8, DIM), np.float16)), pe.InputError, "float16"),
