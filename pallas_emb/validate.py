@@ -27,13 +27,15 @@ def check_ids(features: Sequence[FeatureSpec], ids: Any, num_shards: int,
 
   Args:
     features: the features that must all have ids.
-    ids: feature name -> (B, L) int32, B divisible by `num_shards`.
+    ids: feature name -> (B, L) integer ids, B divisible by `num_shards`;
+      int32, or wider ids that `ids.int32_ids` converts (ids outside int32
+      become invalid, never another row).
 
   Returns:
     table name -> ids per data shard over its features, in feature order.
   """
   if not isinstance(ids, Mapping):
-    raise InputError(f"ids must be a dict feature name -> (B, L) int32 "
+    raise InputError(f"ids must be a dict feature name -> (B, L) integer "
                      f"array, got {type(ids).__name__}.")
   known = {f.name for f in features}
   unknown = sorted(set(ids) - known)
@@ -46,10 +48,11 @@ def check_ids(features: Sequence[FeatureSpec], ids: Any, num_shards: int,
       raise InputError(f"ids are missing feature {f.name!r}.")
     x = ids[f.name]
     dtype = np.dtype(getattr(x, "dtype", type(x)))
-    if dtype != np.int32:
+    if not np.issubdtype(dtype, np.integer):
       raise InputError(
-          f"ids of feature {f.name!r} must be int32, got {dtype}; cast with "
-          ".astype(np.int32) (ids >= 2**31 cannot address a row).")
+          f"ids of feature {f.name!r} must be integers (int32 or int64), got "
+          f"{dtype}; map raw ids (strings, unbounded integers) to rows with "
+          "pallas_emb.hash_ids(raw, num_rows).")
     if np.ndim(x) != 2:
       raise InputError(
           f"ids of feature {f.name!r} must have shape (batch, bag_size), "

@@ -57,13 +57,14 @@ def test_protocol_defaults_raise_the_seed_message(cls, missing):
 
 def test_supports_async_emb():
   assert pe.supports_async_emb(Both())
-  for opt in (pe.SGD(), pe.Adagrad(), pe.RowWiseAdagrad(), pe.LazyAdam(), pe.AsyncEmbAdam()):
+  for opt in (pe.SGD(), pe.Adagrad(), pe.RowWiseAdagrad(), pe.LazyAdam(), pe.AsyncEmbAdam(),
+              pe.FTRL()):
     assert pe.supports_async_emb(opt), opt
   assert not pe.supports_async_emb(pe.OptaxRows(optax.adam(1e-3)))
   assert not pe.supports_async_emb(object())
   assert pe.AsyncEmbAdam is pe.LazyAdam
   assert async_emb.registered_async_emb_optimizers() == (
-      pe.SGD, pe.Adagrad, pe.RowWiseAdagrad, pe.LazyAdam)
+      pe.SGD, pe.Adagrad, pe.RowWiseAdagrad, pe.LazyAdam, pe.FTRL)
 
 
 def test_validate_config_refuses_the_optax_wrapper_in_async_mode():
@@ -73,7 +74,7 @@ def test_validate_config_refuses_the_optax_wrapper_in_async_mode():
   msg = str(e.value)
   assert isinstance(e.value, ValueError)
   assert SEED_MESSAGE.format("OptaxRows") in msg
-  for alternative in ("SGD", "Adagrad", "RowWiseAdagrad", "LazyAdam", "AsyncEmbAdam",
+  for alternative in ("SGD", "Adagrad", "RowWiseAdagrad", "LazyAdam", "AsyncEmbAdam", "FTRL",
                       "use_async_emb=False"):
     assert alternative in msg
   pe.validate_config(pe.TrainConfig(use_async_emb=False), opt)

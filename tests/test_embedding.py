@@ -305,7 +305,7 @@ def test_bad_arguments_raise_specific_errors():
   emb = _emb(8, pe.SGD())
   state = emb.init(jax.random.key(0))
   ids = _batch(np.random.default_rng(0))
-  with pytest.raises(pe.InputError, match=r"ids of feature 'bag' must be int32, got float32"):
+  with pytest.raises(pe.InputError, match=r"ids of feature 'bag' must be integers \(int32 or int64\), got float32; .*hash_ids"):
     emb.lookup(state, {**ids, "bag": ids["bag"].astype(np.float32)})
   with pytest.raises(pe.InputError, match=r"must have shape \(batch, bag_size\), got \(24,\)"):
     emb.lookup(state, {**ids, "bag": ids["bag"][:, 0]})

@@ -29,7 +29,8 @@ RACES = pltpu.InterpretParams(detect_races=True, vector_clock_size=8)
 
 OPTIMIZERS = [pe.SGD(0.5), pe.Adagrad(0.25),
               pe.RowWiseAdagrad(0.1, half_life_steps=3, lazy_decay=True, weight_decay=0.01),
-              pe.LazyAdam(0.05)]
+              pe.LazyAdam(0.05),
+              pe.FTRL(0.1, learning_rate_power=-0.6, l1=0.5, l2=0.02, beta=0.1)]
 OPT_IDS = [type(o).__name__ for o in OPTIMIZERS]
 DTYPES = [jnp.float32, jnp.bfloat16]
 DTYPE_IDS = ["f32", "bf16"]
@@ -435,7 +436,7 @@ def _call_update(**overrides):
 
 
 @pytest.mark.parametrize("overrides,error,match", [
-    (dict(rows=np.arange(8, dtype=np.int64)), pe.InputError, "int32"),
+    (dict(rows=np.arange(8, dtype=np.int64)), pe.InputError, r"int32.*pallas_emb.int32_ids\(rows\)"),
     (dict(rows=np.zeros((2, 4), np.int32)), pe.InputError, r"1-D int32.*\[2, 4\]"),
     (dict(grads=np.zeros((8, DIM + 1), np.float32)), pe.InputError, r"float32\[8, 16\]"),
     (dict(grads=np.zeros((8, DIM), np.float16)), pe.InputError, "float16"),

@@ -15,11 +15,13 @@ OPTIMIZERS = LEAVES + ("pallas_emb.optimizers",)
 SPARSE = KERNELS + OPTIMIZERS + (
     "pallas_emb.spec", "pallas_emb.capacity", "pallas_emb.state",
     "pallas_emb.tokens", "pallas_emb.shard_ops", "pallas_emb.programs",
-    "pallas_emb.validate", "pallas_emb.embedding")
+    "pallas_emb.validate", "pallas_emb.ids", "pallas_emb.embedding")
 ALLOWED = {
     "sharding": (),
     "pallas_emb.errors": ("pallas_emb", "pallas_emb.errors"),
     "pallas_emb.packing": ("pallas_emb", "pallas_emb.packing"),
+    "pallas_emb.ids": ("pallas_emb", "pallas_emb.ids"),
+    "pallas_emb.hashing": ("pallas_emb", "pallas_emb.errors", "pallas_emb.hashing"),
     "pallas_emb.kernels": KERNELS,
     "pallas_emb.kernels.xla": KERNELS,
     "pallas_emb.optimizers": OPTIMIZERS,

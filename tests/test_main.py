@@ -89,6 +89,13 @@ def test_short_run_learns(tmp_path):
   assert report["emb_updates_skipped"] == 0 and report["overflow_ids"] == 0
 
 
+def test_every_optimizer_flag_has_a_default_rate_and_ftrl_is_one():
+  choices = flags.FLAGS["optimizer"].parser.enum_values
+  assert "ftrl" in choices and sorted(main_lib._DEFAULT_LR) == sorted(choices)
+  opt = main_lib._embedding_optimizer("ftrl", main_lib._DEFAULT_LR["ftrl"])
+  assert opt == pe.FTRL(5.0) and pe.supports_async_emb(opt)
+
+
 def test_async_mode_refuses_the_optax_optimizer_before_training():
   with pytest.raises(pe.ConfigError, match="OptaxRows has no fused table update"):
     _run_in_process("--steps=1", "--optimizer=optax_adam")

@@ -33,6 +33,7 @@ from pallas_emb.async_emb.protocol import (
     supports_async_emb)
 from pallas_emb.async_emb.tracker import IN_FLIGHT
 from pallas_emb.errors import InputError
+from pallas_emb.ids import int32_ids
 
 
 def lookup_start(context: AsyncEmbContextHandle, table: jax.Array,
@@ -42,7 +43,8 @@ def lookup_start(context: AsyncEmbContextHandle, table: jax.Array,
   Args:
     context: the table's context.
     table: its stored array (`TableState.table`).
-    ids: feature -> (B, L) int32 for the table's features.
+    ids: feature -> (B, L) int32 or int64 (see `pallas_emb.ids`) for the
+      table's features.
     gate: any array; the lookup reads the table only after it is computed.
 
   Raises:
@@ -58,6 +60,7 @@ def lookup_start(context: AsyncEmbContextHandle, table: jax.Array,
         f"tokens, but the context was made for tokens_per_batch="
         f"{context.tokens_per_batch}; make a context for this batch shape.")
   context.check_state(table)
+  ids = int32_ids(ids)  # on the host for NumPy ids: before jit can wrap
   outs, res = programs.lookup(t, tie(table, gate),
                               tuple(ids[f.name] for f in t.features))
   return EmbLookup(dict(zip((f.name for f in t.features), outs)), res)

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, Optional, Protocol, runtime_checkable
 import jax
 
 from pallas_emb.errors import ConfigError
-from pallas_emb.optimizers import SGD, Adagrad, LazyAdam, RowWiseAdagrad
+from pallas_emb.optimizers import FTRL, SGD, Adagrad, LazyAdam, RowWiseAdagrad
 from pallas_emb.state import TableResiduals
 from sharding.route import RoutePlan
 
@@ -147,5 +147,5 @@ def registered_async_emb_optimizers() -> tuple[type, ...]:
   return tuple(_REGISTRY)
 
 
-for _cls in (SGD, Adagrad, RowWiseAdagrad, LazyAdam):
+for _cls in (SGD, Adagrad, RowWiseAdagrad, LazyAdam, FTRL):
   register(_cls)

@@ -6,6 +6,7 @@ import jax
 import numpy as np
 
 from pallas_emb.data.base import DataError
+from pallas_emb.ids import int32_ids
 
 
 class GlobalBatches:
@@ -32,8 +33,15 @@ class GlobalBatches:
     self.hi = self.lo + batch_size // n
 
   def put(self, batch: dict) -> dict:
-    """A host batch (global rows) -> global arrays (this process's slice)."""
+    """A host batch (global rows) -> global arrays (this process's slice).
+
+    Ids (the "ids" entry) of any integer width arrive as int32: converted
+    here on the host, before JAX would wrap int64 ids (see `pallas_emb.ids`).
+    """
     batch = {k: v for k, v in batch.items() if k != "true_logit"}
+    if "ids" in batch:
+      batch["ids"] = int32_ids({k: np.asarray(v)
+                                for k, v in batch["ids"].items()})
 
     def one(x):
       x = np.asarray(x)

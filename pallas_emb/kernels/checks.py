@@ -58,8 +58,9 @@ def check_rows(rows, name: str = "rows") -> int:
   if np.dtype(rows.dtype) != np.int32 or rows.ndim != 1:
     raise InputError(
         f"{name} must be a 1-D int32 array of local row ids (-1 = padding), "
-        f"got {rows.dtype}{list(rows.shape)}; flatten it and cast with "
-        ".astype(jnp.int32).")
+        f"got {rows.dtype}{list(rows.shape)}; flatten it and convert it with "
+        "pallas_emb.int32_ids(rows), which makes ids outside int32 invalid "
+        "instead of wrapping them onto a row as .astype(jnp.int32) would.")
   return rows.shape[0]
 
 

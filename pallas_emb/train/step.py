@@ -37,6 +37,7 @@ from pallas_emb.async_emb import (
     AsyncEmbContextHandle, AsyncEmbGradientUpdate, EmbLookup, EmbOptState)
 from pallas_emb.embedding import ShardedEmbedding
 from pallas_emb.errors import InputError
+from pallas_emb.ids import int32_ids
 from pallas_emb.state import TableState
 from pallas_emb.train.config import TrainConfig, validate_config
 
@@ -82,7 +83,8 @@ class Trainer:
   """A jitted training step over a dense model and sharded tables.
 
   Build with `make_trainer`. Batches are dicts with an "ids" entry (feature
-  -> (B, L) int32) and anything else `loss_fn` reads (labels, dense inputs).
+  -> (B, L) int32 or int64, see `pallas_emb.ids`) and anything else
+  `loss_fn` reads (labels, dense inputs).
 
   Attributes:
     emb: the embedding configuration.
@@ -141,7 +143,8 @@ class Trainer:
           "the async and exact pipelines need next_batch: step t starts the "
           "lookup of batch t+1; pass the next batch (any batch of the same "
           "shapes at the last step, then flush).")
-    return _jit_step(self, state, batch, next_batch)
+    return _jit_step(self, state, _int32_batch(batch),
+                     _int32_batch(next_batch))
 
   def flush(self, state: TrainState):
     """Applies the pending update -> (state, metrics). `state` is donated."""
@@ -149,7 +152,15 @@ class Trainer:
 
   def evaluate(self, state: TrainState, batch):
     """(loss, aux) of `batch` on the current tables, without updating."""
-    return _jit_evaluate(self, state, batch)
+    return _jit_evaluate(self, state, _int32_batch(batch))
+
+
+def _int32_batch(batch):
+  """`batch` with int32 ids, converted on the host for NumPy ids: JAX would
+  wrap NumPy int64 ids as they enter the jitted step."""
+  if not isinstance(batch, Mapping) or "ids" not in batch:
+    return batch
+  return {**batch, "ids": int32_ids(batch["ids"])}
 
 
 def make_trainer(emb: ShardedEmbedding, loss_fn: LossFn,
