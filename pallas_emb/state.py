@@ -69,8 +69,9 @@ class TableMetrics(NamedTuple):
     overflow_ids: ids dropped for unique or route capacity, counted per data
       shard and summed (an id dropped on two shards counts twice).
     grad_norm: global L2 norm of the per-row summed gradients.
-    applied: False when the norm was not finite (or the gate was closed):
-      then table and slots are bit-for-bit unchanged.
+    applied: False when the norm was not finite, the gate was closed, or no
+      id had a row (nothing to apply): then table, slots and step are
+      bit-for-bit unchanged.
   """
 
   unique_ids: jax.Array

@@ -41,6 +41,9 @@ class AsyncEmbGradientUpdate(NamedTuple):
     plan: the lookup's `RoutePlan` (which owner holds which unique id).
     num_invalid: (S,) int32 invalid ids per data shard in that lookup.
     num_overflow: (S,) int32 unique-capacity overflow per data shard.
+    owner: the `identity` of the context that made it (its table, optimizer
+      and mesh); `gradient_update_start` refuses an update of another.
+      Static: pytree auxiliary data, never a traced leaf.
   """
 
   unique_tokens: jax.Array
@@ -50,16 +53,19 @@ class AsyncEmbGradientUpdate(NamedTuple):
   plan: Optional[RoutePlan] = None
   num_invalid: Optional[jax.Array] = None
   num_overflow: Optional[jax.Array] = None
+  owner: Optional[str] = None
 
   @classmethod
   def from_residuals(cls, residuals: TableResiduals, token_grads: jax.Array,
-                     pending) -> "AsyncEmbGradientUpdate":
+                     pending, owner: Optional[str] = None
+                     ) -> "AsyncEmbGradientUpdate":
     """An update from a lookup's (or `ShardedEmbedding.plan`'s) residuals and
-    (S * tokens_per_shard, dim) per-token gradients in its device order."""
+    (S * tokens_per_shard, dim) per-token gradients in its device order;
+    `owner` is the identity of the context that will apply it."""
     return cls(unique_tokens=residuals.unique_keys, grads=token_grads,
                segment_ids=residuals.inverse, pending=pending,
                plan=residuals.plan, num_invalid=residuals.num_invalid,
-               num_overflow=residuals.num_overflow)
+               num_overflow=residuals.num_overflow, owner=owner)
 
   def residuals(self) -> TableResiduals:
     """The lookup residuals this update routes by."""
@@ -67,6 +73,23 @@ class AsyncEmbGradientUpdate(NamedTuple):
         unique_keys=self.unique_tokens, inverse=self.segment_ids, weights=(),
         plan=self.plan, num_invalid=self.num_invalid,
         num_overflow=self.num_overflow)
+
+
+# The owner is auxiliary data, so it stays a static Python string through
+# `jax.jit` and `tree.map`. A registration takes precedence over JAX's own
+# handling of NamedTuples, which would make every field a child.
+_ARRAY_FIELDS = AsyncEmbGradientUpdate._fields[:-1]
+
+
+def _flatten_with_keys(update: AsyncEmbGradientUpdate):
+  return (tuple((jax.tree_util.GetAttrKey(k), getattr(update, k))
+                for k in _ARRAY_FIELDS), update.owner)
+
+
+jax.tree_util.register_pytree_with_keys(
+    AsyncEmbGradientUpdate, _flatten_with_keys,
+    lambda owner, children: AsyncEmbGradientUpdate(*children, owner=owner),
+    lambda update: (tuple(update[:-1]), update.owner))
 
 
 class EmbOptState(NamedTuple):
