@@ -194,14 +194,17 @@ def _global_norm(x: jax.Array, axis: str) -> jax.Array:
   """The L2 norm of `x` over all devices of `axis`, without overflow.
 
   Squaring first overflows float32 once the norm passes ~1.8e19 although
-  every element is finite, so the elements are scaled by a power of two
-  near the global max |x| first (exact: it only moves exponents). A
-  non-finite element still gives a non-finite norm.
+  every element is finite, so the elements are first divided by the
+  largest power of two <= the global max |x| (exact: it only moves
+  exponents). A non-finite element still gives a non-finite norm.
   """
   peak = jax.lax.pmax(jnp.max(jnp.abs(x), initial=0.0), axis)
-  usable = jnp.isfinite(peak) & (peak > 0)
-  scale = jnp.where(usable, jnp.exp2(jnp.floor(jnp.log2(
-      jnp.where(usable, peak, 1.0)))), 1.0)
+  # That power of two is the exponent bits of `peak` alone: exact, unlike
+  # float32 exp2/log2, which flush to zero near the smallest normal.
+  scale = jax.lax.bitcast_convert_type(
+      jax.lax.bitcast_convert_type(peak, jnp.uint32) & jnp.uint32(0x7F800000),
+      jnp.float32)
+  scale = jnp.where(jnp.isfinite(peak) & (scale > 0), scale, 1.0)
   scaled = x / scale
   return scale * jnp.sqrt(jax.lax.psum(jnp.sum(scaled * scaled), axis))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pallas_emb import packing
@@ -187,8 +188,9 @@ def check_feature_grads(table: str, features: Sequence[FeatureSpec],
           f"grads are missing feature {f.name!r} of table {table!r}; pass the "
           "gradient of the loss w.r.t. every output of the lookup.")
     g = grads[f.name]
+    # jnp's issubdtype knows bfloat16 is a float; NumPy's does not.
     if (tuple(np.shape(g)) != tuple(want)
-        or not np.issubdtype(np.dtype(g.dtype), np.floating)):
+        or not jnp.issubdtype(g.dtype, jnp.floating)):
       raise InputError(
           f"gradient of feature {f.name!r} is {g.dtype}{list(np.shape(g))}; "
           f"expected a float array of shape {tuple(want)}, like its lookup "

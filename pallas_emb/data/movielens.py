@@ -84,7 +84,7 @@ def _timestamp(text: str, where: str) -> int:
                       "line.")
     value = int(number)
   if not _INT64.min <= value <= _INT64.max:
-    raise DataError(f"{where}: timestamp {text} does not fit int64 seconds; "
+    raise DataError(f"{where}: timestamp {text!r} does not fit int64 seconds; "
                     "fix or drop the line.")
   return value
 
