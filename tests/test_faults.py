@@ -25,7 +25,7 @@ import pytest
 from absl import flags
 
 import pallas_emb as pe
-from conftest import make_mesh
+from conftest import make_mesh, small_trainer
 from pallas_emb import async_emb, data as data_lib, main as main_lib, verify
 from pallas_emb.data.feed import GlobalBatches
 from pallas_emb.errors import (
@@ -45,6 +45,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptio
 
 
 def _trainer(optimizer=None, batch=BATCH, user_rows=500):
+  """conftest's small job, or one like it with another optimizer, batch or
+  table (only ever restored into, which fails before compiling)."""
+  if (optimizer, batch, user_rows) == (None, BATCH, 500):
+    return small_trainer()
   dataset = data_lib.SyntheticClickLog(num_users=user_rows, num_items=300, eval_examples=256)
   emb, model = build_ranking(
       dataset, make_mesh(8), emb_dim=8, backend="xla",
@@ -164,6 +168,16 @@ def test_truncated_data_file_is_skipped(saved, tmp_path):
   with open(path, "r+b") as f:
     f.truncate(os.path.getsize(path) // 2)
   assert _expect_newest_intact(saved, work).step == 2
+
+
+def test_read_only_restore_falls_back_and_renames_nothing(saved, tmp_path):
+  work = _copy(saved, tmp_path)
+  os.remove(os.path.join(work, "3", "meta", "metadata"))
+  r = Checkpointer(work, saved["trainer"], read_only=True).restore_verified(
+      saved["template"], saved["feeder"].train)
+  assert r.step == 2 and [s for s, _ in r.skipped] == [3]
+  assert sorted(os.listdir(work)) == ["1", "2", "3"]
+  _assert_same(_host(saved["trainer"], r.state), saved["refs"][2])
 
 
 @pytest.mark.parametrize("victim", [

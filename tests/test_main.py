@@ -1,6 +1,5 @@
 """The main job end to end: learning, checkpoints, resharding, multi-process."""
 
-import dataclasses
 import json
 import os
 import random
@@ -13,17 +12,13 @@ import time
 
 import jax
 import numpy as np
-import optax
 import pytest
 from absl import flags
 
 import pallas_emb as pe
-from conftest import make_mesh
-from pallas_emb import data as data_lib
+from conftest import small_trainer
 from pallas_emb import main as main_lib
 from pallas_emb import supervisor
-from pallas_emb.data.feed import GlobalBatches
-from pallas_emb.model import build_ranking
 from pallas_emb.train.checkpoint import Checkpointer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -134,16 +129,8 @@ def test_kill_and_resume_is_bit_identical(tmp_path):
 
 
 def _trainer(num_devices, layout="mod"):
-  dataset = data_lib.SyntheticClickLog(num_users=500, num_items=300, eval_examples=256)
-  emb, model = build_ranking(dataset, make_mesh(num_devices), emb_dim=8, backend="xla",
-                             optimizer=pe.RowWiseAdagrad(0.05, half_life_steps=None))
-  if layout != "mod":
-    emb = dataclasses.replace(emb, tables=tuple(dataclasses.replace(t, layout=layout)
-                                                for t in emb.tables))
-  feeder = GlobalBatches(dataset, 64, emb.sharding())
-  trainer = pe.make_trainer(emb, model.loss, optax.adam(1e-3), pe.TrainConfig(),
-                            feeder.train(0))
-  state = trainer.init(model.init(jax.random.key(1)), emb.init(jax.random.key(2)),
+  trainer, model, feeder = small_trainer(num_devices, layout)
+  state = trainer.init(model.init(jax.random.key(1)), trainer.emb.init(jax.random.key(2)),
                        feeder.train(0))
   return trainer, state, feeder
 

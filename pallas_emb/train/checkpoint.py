@@ -25,6 +25,7 @@ with `CheckpointMismatchError` before any array is read.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
@@ -35,11 +36,13 @@ from pallas_emb import async_emb, programs, tokens
 from pallas_emb.errors import (
     CheckpointCorruptError, CheckpointError, CheckpointMismatchError)
 from pallas_emb.state import TableState
-from pallas_emb.train.checkpoint_dir import CheckpointDir, StepUnreadable, log
+from pallas_emb.train.checkpoint_dir import CheckpointDir, StepUnreadable
 from pallas_emb.train.step import Trainer, TrainState
 from sharding.layout import RowLayout
 
 __all__ = ["CheckpointError", "Checkpointer", "Restored"]
+
+log = logging.getLogger("pallas_emb.checkpoint")
 
 
 # Token gradients between the mesh's device order and per-feature arrays.
@@ -74,7 +77,7 @@ class Restored(NamedTuple):
     step: the checkpoint step it came from.
     meta: that step's metadata (`extra` holds what the caller saved).
     skipped: (step, why) of each newer step that did not read back intact,
-      newest first; they were renamed to STEP.corrupt.
+      newest first; they were renamed to STEP.corrupt (unless read-only).
   """
 
   state: TrainState
@@ -90,14 +93,17 @@ class Checkpointer:
     directory: where step directories go (created; it must be writable).
     trainer: the `Trainer` whose states are saved.
     max_to_keep: checkpoints kept.
+    read_only: only restore (from a directory this process cannot write).
 
   Raises:
-    CheckpointDirError: the directory cannot be written.
+    CheckpointDirError: the directory cannot be written (unless read_only).
   """
 
-  def __init__(self, directory: str, trainer: Trainer, max_to_keep: int = 3):
+  def __init__(self, directory: str, trainer: Trainer, max_to_keep: int = 3,
+               read_only: bool = False):
     self.trainer = trainer
-    self.dir = CheckpointDir(directory, max_to_keep=max_to_keep)
+    self.dir = CheckpointDir(directory, max_to_keep=max_to_keep,
+                             writable=not read_only)
 
   @property
   def directory(self) -> str:
@@ -116,6 +122,9 @@ class Checkpointer:
       state: the state after a step (not donated yet).
       batch_shapes: feature -> (B, L) of the training batches.
       extra: JSON-serialisable metadata (e.g. the data position).
+
+    Raises:
+      CheckpointDirError: the write failed (permissions, full disk...).
     """
     tr = self.trainer
     step = int(jax.device_get(state.step))
@@ -168,7 +177,8 @@ class Checkpointer:
 
     Each step is read back and checked against its checksums, newest first;
     a step that is not intact is skipped (with a warning naming it and
-    why), and renamed to STEP.corrupt so that training can write it again.
+    why), and renamed to STEP.corrupt so that training can write it again
+    (unless the checkpointer is read-only).
 
     Args:
       template: a state of this trainer (e.g. from `init`): gives the
@@ -201,8 +211,9 @@ class Checkpointer:
       tables = {name: self._table(name, meta, d)
                 for name, d in item["tables"].items()}
       pending, lookups = self._pipeline(tables, item, meta, batch_at, s)
-      for bad, _ in skipped:
-        self.dir.quarantine(bad)
+      if self.dir.writable:
+        for bad, _ in skipped:
+          self.dir.quarantine(bad)
       state = TrainState(item["params"], item["opt_state"], tables, pending,
                          lookups, item["step"])
       return Restored(state, s, meta, tuple(skipped))
