@@ -18,11 +18,13 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
 from absl import flags
+from hypothesis import given, settings, strategies as st
 
 import pallas_emb as pe
 from conftest import make_mesh, small_trainer
@@ -34,6 +36,7 @@ from pallas_emb.errors import (
     PlacementError, UpdateMismatchError)
 from pallas_emb.model import build_ranking
 from pallas_emb.train.checkpoint import Checkpointer
+from pallas_emb.train import integrity
 from pallas_emb.train.checkpoint_dir import CheckpointDir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -129,6 +132,27 @@ def _expect_newest_intact(saved, directory, corrupted_step=3):
     assert os.path.isdir(os.path.join(directory, f"{corrupted_step}.corrupt"))
   _assert_same(_host(saved["trainer"], r.state), saved["refs"][r.step])
   return r
+
+
+# -- checksums -----------------------------------------------------------------------
+
+@settings(max_examples=8, deadline=None, derandomize=True, database=None)
+@given(dtype=st.sampled_from([np.float32, np.int32, np.uint8, np.int8, np.float16,
+                              np.bool_, jnp.bfloat16, np.uint32]),
+       rows=st.sampled_from([8, 16]), seed=st.integers(0, 2**16), flip=st.integers(0, 10**6))
+def test_checksum_is_the_same_on_devices_and_host_and_sees_one_bit(dtype, rows, seed, flip):
+  values = np.abs(np.random.default_rng(seed).normal(size=(rows, 5)) * 100)
+  x = values > 80 if dtype == np.bool_ else values.astype(dtype)
+  sharded = jax.device_put(x, jax.sharding.NamedSharding(make_mesh(8), jax.sharding.PartitionSpec("x")))
+  got = integrity.checksums({"a": sharded, "b": jax.device_put(x, jax.devices()[0]), "c": x})
+  assert got["a"] == got["b"] == got["c"] == integrity.host_checksum(x)
+  bits = np.ascontiguousarray(x).view(np.uint8).copy()
+  bits.reshape(-1)[flip % bits.size] ^= 1 << (flip % 8)
+  assert integrity.host_checksum(bits.view(x.dtype).reshape(x.shape)) != got["c"]
+  if x.size > 1 and not np.all(x.reshape(-1)[0] == x.reshape(-1)[1]):
+    swapped = x.copy().reshape(-1)
+    swapped[[0, 1]] = swapped[[1, 0]]
+    assert integrity.host_checksum(swapped.reshape(x.shape)) != got["c"]
 
 
 # -- checkpoint corruption ---------------------------------------------------------

@@ -79,7 +79,8 @@ def _attempt(what: str, fn: Callable[[], Any]) -> Any:
   except Exception as e:  # pylint: disable=broad-exception-caught
     # orbax and tensorstore raise whatever their decoder hits (ValueError,
     # KeyError, OSError, JSONDecodeError...) for a damaged file.
-    result, reason = None, f"{what}: {type(e).__name__}: {str(e)[:300]}"
+    detail = " ".join(str(e).split())[:300]  # one line: it goes in a log
+    result, reason = None, f"{what}: {type(e).__name__}: {detail}"
   if not _all_processes(reason is None):
     raise StepUnreadable(reason or f"{what} failed on another process")
   return result

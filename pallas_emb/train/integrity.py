@@ -101,21 +101,22 @@ def _all_device_sums(leaves: tuple[jax.Array, ...]) -> jax.Array:
 def checksums(tree: Any) -> dict[str, str]:
   """Path name -> checksum of every array leaf of `tree`.
 
-  Device arrays are summed on their devices (one jitted program for all of
-  them; with several processes every process takes part and gets the same
-  result); host arrays by NumPy.
+  Device arrays are summed on their devices, one jitted program per set of
+  devices (with several processes every process takes part and gets the
+  same result); host arrays by NumPy.
   """
   leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-  out = {}
-  on_device = [(path_name(p), x) for p, x in leaves if isinstance(x, jax.Array)]
-  if on_device:
-    sums = _all_device_sums(tuple(x for _, x in on_device))
-    sums = np.asarray(sums.addressable_data(0))
-    for (name, _), (s1, s2) in zip(on_device, sums):
-      out[name] = f"{int(s1):08x}{int(s2):08x}"
+  out, groups = {}, {}
   for p, x in leaves:
-    if not isinstance(x, jax.Array):
+    if isinstance(x, jax.Array):
+      groups.setdefault(frozenset(x.sharding.device_set), []).append((path_name(p), x))
+    else:
       out[path_name(p)] = host_checksum(x)
+  for group in groups.values():
+    sums = _all_device_sums(tuple(x for _, x in group))
+    sums = np.asarray(sums.addressable_data(0))
+    for (name, _), (s1, s2) in zip(group, sums):
+      out[name] = f"{int(s1):08x}{int(s2):08x}"
   return out
 
 
