@@ -323,11 +323,12 @@ class Checkpointer:
             f"{opt['optimizer']} (slots {opt['slots']}); resume with the "
             "optimizer the checkpoint was written with, or use a new "
             "checkpoint directory.")
-    shapes = {k: list(np.shape(v)) for k, v in batch["ids"].items()}
+    shapes = {k: list(np.shape(v)) for k, v in sorted(batch["ids"].items())}
     if any(shapes.get(k) != v for k, v in meta["batch_shapes"].items()):
       raise CheckpointMismatchError(
           f"{where} was written for batches of ids shaped "
-          f"{meta['batch_shapes']}, but the batches now are {shapes}; "
+          f"{dict(sorted(meta['batch_shapes'].items()))}, but the batches now "
+          f"are {shapes}; "
           "resume with the batch size the checkpoint was written with, or "
           "use a new checkpoint directory.")
     if (meta["use_async_emb"], meta["exact"]) != (tr.config.use_async_emb, tr.config.exact):
