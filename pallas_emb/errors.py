@@ -2,8 +2,8 @@
 
 Every error names the offending value, the limit it broke and the fix. All are
 subclasses of the builtin a caller would catch anyway (`ValueError` for a bad
-argument or checkpoint, `RuntimeError` for a call out of order or a lost
-peer, `OSError` for a directory that cannot be written).
+argument or checkpoint, `RuntimeError` for a call out of order, `OSError`
+for a directory that cannot be written).
 """
 
 import numbers
@@ -68,10 +68,6 @@ class CheckpointCorruptError(CheckpointError):
 class CheckpointDirError(OSError):
   """A checkpoint directory that cannot be written (checked before training,
   and on every save)."""
-
-
-class PeerLostError(RuntimeError):
-  """A process of a multi-process job stopped responding."""
 
 
 def check_int(value, name: str, *, minimum: int = 1, error: type = ValueError,

@@ -24,7 +24,7 @@ import optax
 
 import pallas_emb as pe
 from pallas_emb import data as data_lib
-from pallas_emb import host_memory, supervisor
+from pallas_emb import host_memory
 from pallas_emb.data.feed import GlobalBatches
 from pallas_emb.model import build_ranking
 from pallas_emb.train import metrics
@@ -254,7 +254,6 @@ def _train(job: _Job, ckpt, start: int, progress: _Progress):
     if ckpt is not None and (periodic or (last and done > start)):
       ckpt.save(state, batch_shapes, {"data_position": done,
                                       "counters": dict(progress.counters)})
-      supervisor.record_checkpoint(done, ckpt.directory)
   return state, loss, initial_loss, history
 
 
@@ -275,7 +274,6 @@ def run(argv=()) -> dict:
     job = job._replace(state=restored.state)
     start = restored.step
     counters = restored.meta["extra"].get("counters", {})
-    supervisor.record_checkpoint(start, ckpt.directory)
     _log(f"resumed from step {start} of {ckpt.directory}")
 
   _log(f"pallas_emb: {FLAGS.data}, {mesh.size} devices ({jax.process_count()} processes), "

@@ -12,52 +12,65 @@ dies converting its `absl::Status` argument (`std::bad_cast`).
 So `python -m pallas_emb` with several processes runs the job in a child
 process, the worker, and stays as its supervisor (it imports nothing heavy):
 it echoes the worker's stderr, and when the coordination service stopped the
-worker, it says which process was lost, and the last checkpoint step the
-worker wrote (the worker records it here), then exits with
-`EXIT_PEER_LOST`. Any other exit of the worker is passed through.
+worker, it says which process was lost and the newest checkpoint step in
+--checkpoint_dir, then exits with `EXIT_PEER_LOST`. Any other exit of the
+worker is passed through.
+
+The step is read from the directory, not from the worker: a process lost
+during a save stops the others inside that save, after the step was
+committed (orbax renames a step into place only when it is complete) but
+before the save returned.
 """
 
 from __future__ import annotations
 
 import collections
-import json
 import os
 import re
 import signal
 import subprocess
 import sys
-import tempfile
 
 EXIT_PEER_LOST = 75  # EX_TEMPFAIL: restart every process with --resume.
 
-_STATUS_ENV = "PALLAS_EMB_SUPERVISOR_STATUS"
+_WORKER_ENV = "PALLAS_EMB_SUPERVISED"
 # What the coordination service's client logs before it aborts a process.
 _FATAL = "Terminating process because the JAX distributed service detected fatal errors"
 _UNHEALTHY = "tasks are unhealthy"
 _LEADER_GONE = "Failed to send RPC to coordination service"
 
 
-def _flag(argv: list[str], name: str, env: str) -> int | None:
-  match = re.search(rf"--{name}[= ](\d+)", " ".join(argv))
-  value = match.group(1) if match else os.environ.get(env)
+def _flag(argv: list[str], name: str, env: str | None = None) -> str | None:
+  """The value of --name in `argv` (the last one, as absl takes), or $env."""
+  value = os.environ.get(env) if env else None
+  for i, arg in enumerate(argv):
+    if arg.startswith(f"--{name}="):
+      value = arg.split("=", 1)[1]
+    elif arg == f"--{name}" and i + 1 < len(argv):
+      value = argv[i + 1]
+  return value
+
+
+def _int_flag(argv: list[str], name: str, env: str) -> int | None:
+  value = _flag(argv, name, env)
   return int(value) if value and value.isdigit() else None
 
 
 def needed(argv: list[str]) -> bool:
   """Whether this is the launch of one process of several (and not already
   the supervised worker)."""
-  num = _flag(argv, "num_processes", "JAX_NUM_PROCESSES")
-  return bool(num and num > 1) and _STATUS_ENV not in os.environ
+  num = _int_flag(argv, "num_processes", "JAX_NUM_PROCESSES")
+  return bool(num and num > 1) and _WORKER_ENV not in os.environ
 
 
-def record_checkpoint(step: int, directory: str) -> None:
-  """Records (in the worker) the last checkpoint written or restored."""
-  path = os.environ.get(_STATUS_ENV)
-  if not path:
-    return
-  with open(path + ".tmp", "w") as f:
-    json.dump({"step": step, "directory": directory}, f)
-  os.replace(path + ".tmp", path)
+def newest_checkpoint(directory: str | None) -> int | None:
+  """The newest committed step in a checkpoint directory (orbax names a step
+  directory by its number only once it is complete), or None."""
+  try:
+    steps = [int(n) for n in os.listdir(directory) if n.isdigit()] if directory else []
+  except OSError:
+    return None
+  return max(steps, default=None)
 
 
 def lost_processes(log: str) -> tuple[list[int], str] | None:
@@ -87,15 +100,17 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _report(argv: list[str], lost: list[int], cause: str, status: dict | None) -> str:
-  num = _flag(argv, "num_processes", "JAX_NUM_PROCESSES")
-  me = _flag(argv, "process_id", "JAX_PROCESS_ID")
+def _report(argv: list[str], lost: list[int], cause: str) -> str:
+  num = _int_flag(argv, "num_processes", "JAX_NUM_PROCESSES")
+  me = _int_flag(argv, "process_id", "JAX_PROCESS_ID")
   who = (("process " if len(lost) == 1 else "processes ")
          + ", ".join(map(str, lost)) if lost else "a process")
-  if status:
-    resume = (f"Last good checkpoint: step {status['step']} in "
-              f"{status['directory']}; restart every process with --resume "
-              "to continue from it.")
+  directory = _flag(argv, "checkpoint_dir")
+  step = newest_checkpoint(directory)
+  if step is not None:
+    resume = (f"Last good checkpoint: step {step} in "
+              f"{os.path.abspath(directory)}; restart every process with "
+              "--resume to continue from it.")
   else:
     resume = ("No checkpoint was written yet: restart every process (pass "
               "--checkpoint_dir and --checkpoint_every to resume after a loss).")
@@ -105,12 +120,9 @@ def _report(argv: list[str], lost: list[int], cause: str, status: dict | None) -
 
 def supervise(argv: list[str]) -> int:
   """Runs `python -m pallas_emb argv` as the worker -> the exit status."""
-  fd, status_path = tempfile.mkstemp(prefix="pallas_emb-status-", suffix=".json")
-  os.close(fd)
-  os.unlink(status_path)
   worker = subprocess.Popen(
       [sys.executable, "-m", "pallas_emb", *argv],
-      env={**os.environ, _STATUS_ENV: status_path}, stderr=subprocess.PIPE,
+      env={**os.environ, _WORKER_ENV: "1"}, stderr=subprocess.PIPE,
       text=True, errors="replace", preexec_fn=_die_with_parent)
   for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
     signal.signal(sig, lambda s, _: worker.send_signal(s))
@@ -120,13 +132,8 @@ def supervise(argv: list[str]) -> int:
     sys.stderr.flush()
     tail.append(line)
   code = worker.wait()
-  status = None
-  if os.path.exists(status_path):
-    with open(status_path) as f:
-      status = json.load(f)
-    os.unlink(status_path)
   lost = lost_processes("".join(tail)) if code else None
   if lost is None:
     return code if code >= 0 else 128 - code
-  print(_report(argv, *lost, status), file=sys.stderr, flush=True)
+  print(_report(argv, *lost), file=sys.stderr, flush=True)
   return EXIT_PEER_LOST

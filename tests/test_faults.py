@@ -517,16 +517,17 @@ _LEADER_DIED = """F1203 09:35:32.716193 client.h:80] Terminating process because
 """
 
 
-def test_supervisor_reads_which_process_was_lost():
+def test_supervisor_reads_which_process_was_lost(tmp_path):
   from pallas_emb import supervisor
   assert supervisor.lost_processes(_PEER_DIED) == ([1, 3], "it stopped sending heartbeats")
   assert supervisor.lost_processes(_LEADER_DIED)[0] == [0]
   assert supervisor.lost_processes("Traceback ...\nValueError: a bug\n") is None
-  argv = ["--num_processes=4", "--process_id=2"]
-  report = supervisor._report(argv, [1, 3], "it stopped sending heartbeats",
-                              {"step": 20, "directory": "/ck"})
-  assert report == ("pallas_emb: lost processes 1, 3 of 4 (it stopped sending heartbeats); "
-                    "process 2 stops too. Last good checkpoint: step 20 in /ck; restart "
-                    "every process with --resume to continue from it.")
-  assert "No checkpoint was written yet" in supervisor._report(argv, [0], "x", None)
+  for step in ("10", "20", "30.corrupt", "40.orbax-checkpoint-tmp"):
+    os.makedirs(tmp_path / "ck" / step)
+  argv = ["--num_processes", "4", "--process_id=2", f"--checkpoint_dir={tmp_path}/ck"]
+  report = supervisor._report(argv, [1, 3], "it stopped sending heartbeats")
+  assert report == (f"pallas_emb: lost processes 1, 3 of 4 (it stopped sending heartbeats); "
+                    f"process 2 stops too. Last good checkpoint: step 20 in {tmp_path}/ck; "
+                    "restart every process with --resume to continue from it.")
+  assert "No checkpoint was written yet" in supervisor._report(argv[:2], [0], "x")
   assert supervisor.needed(argv) and not supervisor.needed(["--num_processes=1"])
