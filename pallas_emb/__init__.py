@@ -26,8 +26,11 @@ _EXPORTS = {
     **dict.fromkeys(["TableMetrics", "TableResiduals", "TableState"],
                     "pallas_emb.state"),
     **dict.fromkeys(
-        ["AsyncEmbStateError", "BackendError", "ConfigError", "InputError",
-         "SpecError", "VmemBudgetError"], "pallas_emb.errors"),
+        ["AsyncEmbStateError", "BackendError", "CheckpointCorruptError",
+         "CheckpointDirError", "CheckpointError", "CheckpointMismatchError",
+         "ConfigError", "EmptyInputError", "InputError", "MeshMismatchError",
+         "PlacementError", "SpecError", "UpdateMismatchError",
+         "VmemBudgetError"], "pallas_emb.errors"),
     **dict.fromkeys(
         ["SGD", "Adagrad", "AsyncEmbAdam", "EmbeddingOptimizer", "FTRL",
          "LazyAdam", "OptaxRows", "RowWiseAdagrad", "SlotSpec"],
@@ -67,7 +70,10 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
   from pallas_emb.capacity import Capacities
   from pallas_emb.embedding import ShardedEmbedding
   from pallas_emb.errors import (
-      AsyncEmbStateError, BackendError, ConfigError, InputError, SpecError,
+      AsyncEmbStateError, BackendError, CheckpointCorruptError,
+      CheckpointDirError, CheckpointError, CheckpointMismatchError,
+      ConfigError, EmptyInputError, InputError, MeshMismatchError,
+      PlacementError, SpecError, UpdateMismatchError,
       VmemBudgetError)
   from pallas_emb.optimizers import (
       FTRL, SGD, Adagrad, AsyncEmbAdam, EmbeddingOptimizer, LazyAdam,

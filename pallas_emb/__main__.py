@@ -13,6 +13,13 @@ if _COUNT_FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              f" {_COUNT_FLAG}={_match.group(1) if _match else 8}").strip()
 
+from pallas_emb import supervisor  # noqa: E402
+
+if __name__ == "__main__" and supervisor.needed(sys.argv[1:]):
+  # One process of several: run the job in a worker that is watched for a
+  # lost peer (see pallas_emb/supervisor.py).
+  sys.exit(supervisor.supervise(sys.argv[1:]))
+
 from absl import app  # noqa: E402
 
 from pallas_emb import main  # noqa: E402

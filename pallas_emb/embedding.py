@@ -121,14 +121,17 @@ class ShardedEmbedding:
     return NamedSharding(self.mesh, P(self.axis) if rows else P())
 
   def check_ids(self, ids: Mapping[str, jax.Array]) -> dict[str, int]:
-    """Validates the ids of every feature; returns tokens per shard by table."""
-    return validate.check_ids(self.features, ids, self.num_shards, self.axis)
+    """Validates the ids of every feature and where they live; returns
+    tokens per shard by table."""
+    tokens = validate.check_ids(self.features, ids, self.num_shards, self.axis)
+    validate.check_placement(ids, self.mesh)
+    return tokens
 
   def check_tables(self, tables: Mapping[str, TableState], names, *,
                    slots: bool = True) -> None:
     """Validates that `tables[name]` for each name fits its spec and mesh."""
     validate.check_tables(tables, names, self.table_spec, self.layout,
-                          slots=slots)
+                          slots=slots, mesh=self.mesh)
 
   def _tables_of(self, ids) -> dict[str, ShardedTable]:
     return {name: self.sharded_table(name, n)

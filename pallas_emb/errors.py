@@ -2,7 +2,8 @@
 
 Every error names the offending value, the limit it broke and the fix. All are
 subclasses of the builtin a caller would catch anyway (`ValueError` for a bad
-argument, `RuntimeError` for a call out of order).
+argument or checkpoint, `RuntimeError` for a call out of order, `OSError`
+for a directory that cannot be written).
 """
 
 import numbers
@@ -33,6 +34,40 @@ class ConfigError(ValueError):
 
 class AsyncEmbStateError(RuntimeError):
   """An asynchronous embedding call made out of order (start/done/lookup)."""
+
+
+class EmptyInputError(InputError):
+  """A batch with no examples, or a feature whose bags hold no id."""
+
+
+class MeshMismatchError(InputError):
+  """A table, context or pending update made for another device mesh."""
+
+
+class PlacementError(InputError):
+  """Ids committed to devices outside the table's mesh."""
+
+
+class UpdateMismatchError(InputError):
+  """A pending `AsyncEmbGradientUpdate` handed to another table's context."""
+
+
+class CheckpointError(ValueError):
+  """A checkpoint that cannot be restored into the trainer at hand."""
+
+
+class CheckpointMismatchError(CheckpointError):
+  """A checkpoint written with other tables, optimizer, batch shapes or
+  pipeline than the trainer it is restored into."""
+
+
+class CheckpointCorruptError(CheckpointError):
+  """No checkpoint step (or not the one asked for) reads back intact."""
+
+
+class CheckpointDirError(OSError):
+  """A checkpoint directory that cannot be written (checked before training,
+  and on every save)."""
 
 
 def check_int(value, name: str, *, minimum: int = 1, error: type = ValueError,

@@ -29,6 +29,7 @@ from pallas_emb.data.feed import GlobalBatches
 from pallas_emb.model import build_ranking
 from pallas_emb.train import metrics
 from pallas_emb.train.checkpoint import Checkpointer
+from pallas_emb.train.checkpoint_dir import check_writable
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("steps", 500, "Training steps.")
@@ -58,6 +59,40 @@ flags.DEFINE_bool("keep_freed_memory", True, "Keep freed heap memory between ste
 flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0 (or JAX_COORDINATOR_ADDRESS).")
 flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes (or JAX_NUM_PROCESSES).")
 flags.DEFINE_integer("process_id", None, "Multi-host: this process's index (or JAX_PROCESS_ID).")
+flags.DEFINE_integer("heartbeat_timeout", 10, "Multi-host: seconds without a heartbeat after which a "
+                     "process counts as lost (a process that dies is noticed within about a second).")
+
+
+def _require(name: str, ok, limit: str, fix: str) -> None:
+  """Refuses --name unless ok(value), at parse time, before JAX sees it."""
+  flags.register_validator(name, ok, message=f"--{name} must be {limit}; {fix}")
+
+
+for _name, _low, _fix in (
+    ("steps", 1, "it is the number of training steps"),
+    ("batch_size", 1, "it is the global batch (a multiple of the device count)"),
+    ("emb_dim", 1, "it is the width of every table"),
+    ("log_every", 1, "it is the progress period in steps"),
+    ("checkpoint_every", 0, "0 checkpoints only at the end"),
+    ("eval_every", 0, "0 evaluates only at the end"),
+    ("eval_batches", 0, "0 evaluates the whole held-out set"),
+    ("seed", 0, "it seeds the data and the initial parameters"),
+    ("heartbeat_timeout", 1, "it is in seconds"),
+    ("devices", 1, "omit it to use every device of the process"),
+    ("num_processes", 1, "omit it for one process"),
+    ("process_id", 0, "it counts from 0")):
+  _require(_name, lambda v, low=_low: v is None or v >= low, f"an integer >= {_low}", _fix)
+for _name, _fix in (("emb_learning_rate", "omit it for the optimizer's default"),
+                   ("dense_learning_rate", "it is Adam's step size for the MLP")):
+  _require(_name, lambda v: v is None or (np.isfinite(v) and v >= 0),
+           "a finite number >= 0", _fix)
+flags.register_multi_flags_validator(
+    ["process_id", "num_processes"],
+    lambda f: None in (f["process_id"], f["num_processes"]) or f["process_id"] < f["num_processes"],
+    message="--process_id must be below --num_processes; processes are numbered 0 .. N-1.")
+flags.register_multi_flags_validator(
+    ["resume", "checkpoint_dir"], lambda f: not f["resume"] or f["checkpoint_dir"],
+    message="--resume needs --checkpoint_dir: the directory to resume from.")
 
 # FTRL's rate is lr / sqrt(accumulator) and its first touch replaces a row's
 # initial value: on the synthetic log (500 steps) eval AUC rose from 0.728 at
@@ -82,8 +117,11 @@ def _maybe_initialize_distributed() -> None:
   if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS") == "cpu":
     # CPU processes exchange collectives through gloo.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  # A lost process is noticed by the coordination service, which then stops
+  # the others; `supervisor` names it and the last checkpoint.
   jax.distributed.initialize(coordinator_address=address, num_processes=num or None,
-                             process_id=pid)
+                             process_id=pid,
+                             heartbeat_timeout_seconds=FLAGS.heartbeat_timeout)
 
 
 def _embedding_optimizer(name: str, lr: float):
@@ -226,23 +264,38 @@ def _train(job: _Job, ckpt, start: int, progress: _Progress):
 def run(argv=()) -> dict:
   """Trains per FLAGS and returns the report."""
   del argv
+  if FLAGS.checkpoint_dir:
+    check_writable(FLAGS.checkpoint_dir)  # before anything compiles
   mesh = _setup()
   job = _build(mesh)
   emb, config = job.emb, job.config
   ckpt = Checkpointer(FLAGS.checkpoint_dir, job.trainer) if FLAGS.checkpoint_dir else None
   start, counters = 0, {}
-  if FLAGS.resume and ckpt is not None and ckpt.latest_step() is not None:
-    job = job._replace(state=ckpt.restore(job.state, job.feeder.train))
-    start = int(jax.device_get(job.state.step))
-    counters = ckpt.metadata()["extra"].get("counters", {})
-    _log(f"resumed from step {start} of {ckpt.manager.directory}")
+  if FLAGS.resume and ckpt.latest_step() is not None:
+    restored = ckpt.restore_verified(job.state, job.feeder.train)
+    for step, why in restored.skipped:
+      _log(f"checkpoint step {step} is not intact, skipped (kept as {step}.corrupt): {why}")
+    job = job._replace(state=restored.state)
+    start = restored.step
+    counters = restored.meta["extra"].get("counters", {})
+    _log(f"resumed from step {start} of {ckpt.directory}")
 
   _log(f"pallas_emb: {FLAGS.data}, {mesh.size} devices ({jax.process_count()} processes), "
        f"backend {emb.backend}, {'exact ' if config.exact else ''}"
        f"{'async' if config.use_async_emb else 'sync'} embedding update, "
        f"{FLAGS.optimizer}, tables " + ", ".join(f"{t.name}:{t.num_rows}x{t.dim}" for t in emb.tables))
   progress = _Progress(counters)
-  state, loss, initial_loss, history = _train(job, ckpt, start, progress)
+  try:
+    state, loss, initial_loss, history = _train(job, ckpt, start, progress)
+  except Exception:
+    if jax.process_count() > 1:
+      # A collective with a lost peer fails at once, a moment before the
+      # coordination service stops this process and names the lost one
+      # (see `supervisor`): let it, rather than exit with the bare error.
+      print(f"process {jax.process_index()}: a step failed; waiting for the "
+            "coordination service's verdict on the other processes", flush=True)
+      time.sleep(FLAGS.heartbeat_timeout + 5)
+    raise
   state, _ = job.trainer.flush(state)  # the last gradient reaches the tables
   ev = evaluate(job.trainer, state, job.feeder, FLAGS.eval_batches)
   _log(f"final: step {FLAGS.steps}  train loss {loss:.4f}  eval auc {ev['auc']:.4f}  "

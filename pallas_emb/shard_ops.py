@@ -197,6 +197,25 @@ def token_grads_shard(t: ShardedTable, weights: Sequence[jax.Array],
       t.features, feature_grads, weights)])
 
 
+def _global_norm(x: jax.Array, axis: str) -> jax.Array:
+  """The L2 norm of `x` over all devices of `axis`, without overflow.
+
+  Squaring first overflows float32 once the norm passes ~1.8e19 although
+  every element is finite, so the elements are first divided by the
+  largest power of two <= the global max |x| (exact: it only moves
+  exponents). A non-finite element still gives a non-finite norm.
+  """
+  peak = jax.lax.pmax(jnp.max(jnp.abs(x), initial=0.0), axis)
+  # That power of two is the exponent bits of `peak` alone: exact, unlike
+  # float32 exp2/log2, which flush to zero near the smallest normal.
+  scale = jax.lax.bitcast_convert_type(
+      jax.lax.bitcast_convert_type(peak, jnp.uint32) & jnp.uint32(0x7F800000),
+      jnp.float32)
+  scale = jnp.where(jnp.isfinite(peak) & (scale > 0), scale, 1.0)
+  scaled = x / scale
+  return scale * jnp.sqrt(jax.lax.psum(jnp.sum(scaled * scaled), axis))
+
+
 def update_shard(t: ShardedTable, table, slots, step, res: TableResiduals,
                  token_grads: jax.Array, gate: jax.Array):
   """This device's sparse, fused update of its row shard.
@@ -209,21 +228,24 @@ def update_shard(t: ShardedTable, table, slots, step, res: TableResiduals,
     gate: bool scalar; False skips the update (e.g. an empty async update).
 
   Returns:
-    (table, slots, step, TableMetrics): nothing is written unless the global
-    gradient norm is finite and `gate` is True.
+    (table, slots, step, TableMetrics): nothing is written, and the step
+    does not advance, unless the global gradient norm is finite, `gate` is
+    True and some id has a row (an update with no rows, e.g. a batch of
+    padding, is nothing to apply).
   """
   owner_grads = to_owners(res.plan, token_grads, axis_name=t.axis)
-  norm = jnp.sqrt(jax.lax.psum(jnp.sum(owner_grads * owner_grads), t.axis))
-  apply = jnp.isfinite(norm) & gate
+  norm = _global_norm(owner_grads, t.axis)
+  psum = lambda x: jax.lax.psum(jnp.sum(x), t.axis)
+  pmax = lambda x: jax.lax.pmax(jnp.max(x), t.axis)
+  unique_ids = psum(res.plan.num_owner_unique)
+  apply = jnp.isfinite(norm) & gate & (unique_ids > 0)
   opt = t.spec.optimizer
   table, slots = kernels.fused_update(
       table, slots, res.plan.owner_rows, owner_grads, opt.scalars(step), apply,
       optimizer=opt, dtype=t.spec.dtype,
       backend=t.backend if opt.runs_in_kernel else "xla")
-  psum = lambda x: jax.lax.psum(jnp.sum(x), t.axis)
-  pmax = lambda x: jax.lax.pmax(jnp.max(x), t.axis)
   metrics = TableMetrics(
-      unique_ids=psum(res.plan.num_owner_unique),
+      unique_ids=unique_ids,
       invalid_ids=psum(res.num_invalid),
       overflow_ids=psum(res.num_overflow) + psum(res.plan.num_overflow),
       grad_norm=norm, applied=apply,

@@ -68,8 +68,9 @@ class TableMetrics(NamedTuple):
     overflow_ids: ids dropped for unique or route capacity, counted per data
       shard and summed (an id dropped on two shards counts twice).
     grad_norm: global L2 norm of the per-row summed gradients.
-    applied: False when the norm was not finite (or the gate was closed):
-      then table and slots are bit-for-bit unchanged.
+    applied: False when the norm was not finite, the gate was closed, or no
+      id had a row (nothing to apply): then table, slots and step are
+      bit-for-bit unchanged.
     max_unique_per_shard: the most distinct ids one data shard had (compare
       with `Capacities.unique`).
     max_ids_per_route: the most ids one data shard had for one owner

@@ -10,10 +10,12 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pallas_emb import packing
-from pallas_emb.errors import InputError
+from pallas_emb.errors import (
+    EmptyInputError, InputError, MeshMismatchError, PlacementError)
 from pallas_emb.kernels.checks import check_slots
 from pallas_emb.spec import FeatureSpec, TableSpec
 from sharding.layout import RowLayout
@@ -58,6 +60,12 @@ def check_ids(features: Sequence[FeatureSpec], ids: Any, num_shards: int,
           f"ids of feature {f.name!r} must have shape (batch, bag_size), "
           f"got {np.shape(x)}; reshape a single id per example to (B, 1).")
     batch, bag = np.shape(x)
+    if batch == 0 or bag == 0:
+      raise EmptyInputError(
+          f"ids of feature {f.name!r} have shape {(batch, bag)}: an empty "
+          "batch or empty bags have nothing to look up. Skip empty batches, "
+          "and give every bag at least one slot (pad with -1, which reads a "
+          "zero row and updates nothing).")
     if batch % num_shards:
       raise InputError(
           f"batch size {batch} of feature {f.name!r} is not divisible by "
@@ -67,16 +75,61 @@ def check_ids(features: Sequence[FeatureSpec], ids: Any, num_shards: int,
   return tokens
 
 
+def _device_ids(devices) -> str:
+  return str(sorted(d.id for d in devices))
+
+
+def check_devices(x: Any, mesh: jax.sharding.Mesh, what: str,
+                  error: type, fix: str) -> None:
+  """Refuses a device array committed to other devices than `mesh`'s.
+
+  Host arrays, uncommitted arrays and tracers pass: the programs place them.
+  A committed array elsewhere would otherwise fail inside `jax.jit` with
+  JAX's "incompatible devices" error.
+
+  Args:
+    what: the array, for the message ("ids of feature 'f'").
+    error: the exception type to raise.
+    fix: what to pass instead.
+  """
+  if (not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer)
+      or not x.committed):
+    return
+  placed, devices = x.sharding.device_set, set(mesh.devices.flat)
+  if placed != devices:
+    raise error(f"{what} is on devices {_device_ids(placed)}, but the mesh "
+                f"is over devices {_device_ids(devices)}; {fix}")
+
+
+def check_placement(arrays: Mapping[str, Any], mesh: jax.sharding.Mesh) -> None:
+  """Validates where the ids of each feature live (see `check_devices`)."""
+  for name, x in arrays.items():
+    check_devices(x, mesh, f"ids of feature {name!r}", PlacementError,
+                  "pass a NumPy array, or place the ids with "
+                  "jax.device_put(ids, emb.sharding()).")
+
+
 def check_state(spec: TableSpec, layout: RowLayout, table: Any,
-                slots: Mapping[str, Any] | None = None) -> None:
+                slots: Mapping[str, Any] | None = None,
+                mesh: jax.sharding.Mesh | None = None) -> None:
   """Validates a stored table (and, unless None, its slots) against its spec.
+
+  Args:
+    mesh: when given, the table and slots must live on its devices.
 
   Raises:
     InputError: a donated (deleted) buffer, or a stored array or slot whose
       shape or dtype is not the spec's.
+    MeshMismatchError: a table or slot of another mesh.
   """
   name = spec.name
   leaves = [table, *(slots or {}).values()]
+  if mesh is not None:
+    for x in leaves:
+      check_devices(x, mesh, f"table {name!r} (or a slot)", MeshMismatchError,
+                    "use the state of an embedding (or context) on this "
+                    "mesh: its init(), state_from_logical() or a checkpoint "
+                    "restored into it.")
   # Reusing a donated buffer crashes the CPU client of JAX 0.10 instead of
   # raising; catch it here with a message that says what happened.
   if any(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
@@ -99,12 +152,14 @@ def check_state(spec: TableSpec, layout: RowLayout, table: Any,
 
 
 def check_tables(tables: Any, names: Sequence[str], spec_of, layout_of, *,
-                 slots: bool = True) -> None:
+                 slots: bool = True,
+                 mesh: jax.sharding.Mesh | None = None) -> None:
   """Validates `tables[name]` (a `TableState`) for each of `names`.
 
   Args:
     spec_of, layout_of: table name -> its `TableSpec` / `RowLayout`.
     slots: also check the optimizer slots (a lookup reads only the table).
+    mesh: when given, every table must live on its devices.
   """
   if not isinstance(tables, Mapping):
     raise InputError(f"tables must be a dict name -> TableState, got "
@@ -115,7 +170,7 @@ def check_tables(tables: Any, names: Sequence[str], spec_of, layout_of, *,
                        "returned by init().")
     state = tables[name]
     check_state(spec_of(name), layout_of(name), state.table,
-                state.slots if slots else None)
+                state.slots if slots else None, mesh)
 
 
 def check_feature_grads(table: str, features: Sequence[FeatureSpec],
@@ -136,8 +191,9 @@ def check_feature_grads(table: str, features: Sequence[FeatureSpec],
           f"grads are missing feature {f.name!r} of table {table!r}; pass the "
           "gradient of the loss w.r.t. every output of the lookup.")
     g = grads[f.name]
+    # jnp's issubdtype knows bfloat16 is a float; NumPy's does not.
     if (tuple(np.shape(g)) != tuple(want)
-        or not np.issubdtype(np.dtype(g.dtype), np.floating)):
+        or not jnp.issubdtype(g.dtype, jnp.floating)):
       raise InputError(
           f"gradient of feature {f.name!r} is {g.dtype}{list(np.shape(g))}; "
           f"expected a float array of shape {tuple(want)}, like its lookup "

@@ -16,6 +16,7 @@ the two can differ in the last bit (LazyAdam does); without it every op rounds
 once on every path and the kernels are compared with the oracle bit for bit.
 """
 
+import functools
 import os
 import re
 
@@ -50,3 +51,26 @@ def mesh8():
 @pytest.fixture
 def mesh1():
   return make_mesh(1)
+
+
+@functools.lru_cache(maxsize=None)
+def small_trainer(num_devices: int = NUM_DEVICES, layout: str = "mod"):
+  """(trainer, model, feeder) of a small ranking job, made once per session:
+  tests that train it share its compiled step (a new trainer, even an equal
+  one, compiles again: its optax closures differ)."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  import pallas_emb as pe  # pylint: disable=g-import-not-at-top
+  from pallas_emb import data as data_lib  # pylint: disable=g-import-not-at-top
+  from pallas_emb.data.feed import GlobalBatches  # pylint: disable=g-import-not-at-top
+  from pallas_emb.model import build_ranking  # pylint: disable=g-import-not-at-top
+  dataset = data_lib.SyntheticClickLog(num_users=500, num_items=300, eval_examples=256)
+  emb, model = build_ranking(dataset, make_mesh(num_devices), emb_dim=8, backend="xla",
+                             optimizer=pe.RowWiseAdagrad(0.05, half_life_steps=None))
+  if layout != "mod":
+    emb = dataclasses.replace(emb, tables=tuple(dataclasses.replace(t, layout=layout)
+                                                for t in emb.tables))
+  feeder = GlobalBatches(dataset, 64, emb.sharding())
+  trainer = pe.make_trainer(emb, model.loss, optax.adam(1e-3), pe.TrainConfig(),
+                            feeder.train(0))
+  return trainer, model, feeder

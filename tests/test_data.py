@@ -53,7 +53,12 @@ def test_movielens_formats_parse_alike(tmp_path, name, fmt):
   header = "userId,movieId,rating,timestamp\n" if name.endswith(".csv") else ""
   path = _write(tmp_path, name, header + "\n".join(fmt(r) for r in ROWS) + "\n")
   ratings = data.load_ratings(path)
-  np.testing.assert_array_equal(ratings, np.array(ROWS, np.float64))
+  cols = list(zip(*ROWS))
+  np.testing.assert_array_equal(ratings.user, cols[0])
+  np.testing.assert_array_equal(ratings.item, cols[1])
+  np.testing.assert_array_equal(ratings.rating, cols[2])
+  np.testing.assert_array_equal(ratings.timestamp, cols[3])
+  assert ratings.user.dtype == ratings.timestamp.dtype == np.int64
   ml = data.MovieLens.from_file(path, eval_fraction=0.2)
   # Time-ordered: ts 800, 900, 1000, 1100 train; 1200 (the latest) evaluates.
   assert ml.num_train == 4 and ml.num_users == 3 and ml.num_items == 3
@@ -105,3 +110,39 @@ def test_synthetic_eval_set_does_not_depend_on_the_batch_size():
   a = np.concatenate([b["label"][b["weight"] > 0] for b in d.eval_batches(256)])
   b = np.concatenate([b["label"][b["weight"] > 0] for b in d.eval_batches(1000)])
   np.testing.assert_array_equal(a, b)
+
+
+def test_movielens_ids_stay_integers_at_any_size(tmp_path):
+  # Through float64, 2**53 and 2**53 + 1 are one number, and ids >= 2**63
+  # do not fit int64: each must still be its own user.
+  big = [2**53, 2**53 + 1, 2**63 - 1, 2**63, 2**64 + 5, 2**64 + 6]
+  lines = [f"{u}\t{i}\t5\t{100 + k}" for k, (u, i) in enumerate(zip(big, reversed(big)))]
+  path = _write(tmp_path, "u.data", "\n".join(lines) + "\n")
+  ratings = data.load_ratings(path)
+  assert list(ratings.user) == big
+  ml = data.MovieLens.from_file(path, eval_fraction=0.5)
+  assert ml.num_users == ml.num_items == len(big)
+  assert sorted(ml.user.tolist()) == list(range(len(big)))
+  # Sorted raw ids map to sorted dense ids: user k is the k-th largest.
+  assert ml.user.tolist() == list(range(len(big)))
+
+
+@pytest.mark.parametrize("line,match", [
+    ("1\t2\tnan\t100", r"u.data:2: rating 'nan' is not a finite number"),
+    ("1\t2\tinf\t100", r"u.data:2: rating 'inf' is not a finite number"),
+    ("1\t2\t4\tinf", r"u.data:2: timestamp 'inf' is not an integer"),
+    ("1\t2\t4\tnan", r"u.data:2: timestamp 'nan' is not an integer"),
+    ("1\t2\t4\t1.5", r"u.data:2: timestamp '1.5' is not an integer"),
+    ("1\t2\t4\t1e30", r"u.data:2: timestamp '1e30' does not fit int64"),
+    ("1\t2\t4\t99999999999999999999", r"u.data:2: timestamp '99999999999999999999' does not fit"),
+    ("1.5\t2\t4\t100", r"u.data:2: cannot parse .* integer user and item ids"),
+])
+def test_movielens_non_finite_values_name_the_file_and_line(tmp_path, line, match):
+  path = _write(tmp_path, "u.data", "1\t2\t4\t100\n" + line + "\n")
+  with pytest.raises(data.DataError, match=match):
+    data.load_ratings(path)
+
+
+def test_movielens_integral_float_timestamps_are_accepted(tmp_path):
+  path = _write(tmp_path, "ratings.csv", "userId,movieId,rating,timestamp\n1,2,4.5,978300760.0\n")
+  assert data.load_ratings(path).timestamp.tolist() == [978300760]

@@ -1,9 +1,9 @@
 """The main job end to end: learning, checkpoints, resharding, multi-process."""
 
-import dataclasses
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -12,16 +12,13 @@ import time
 
 import jax
 import numpy as np
-import optax
 import pytest
 from absl import flags
 
 import pallas_emb as pe
-from conftest import make_mesh
-from pallas_emb import data as data_lib
+from conftest import small_trainer
 from pallas_emb import main as main_lib
-from pallas_emb.data.feed import GlobalBatches
-from pallas_emb.model import build_ranking
+from pallas_emb import supervisor
 from pallas_emb.train.checkpoint import Checkpointer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -123,19 +120,24 @@ def test_kill_and_resume_is_bit_identical(tmp_path):
   assert sorted(ref) == sorted(got) == ["category", "item", "user"]
   for name in ref:
     np.testing.assert_array_equal(got[name], ref[name], err_msg=name)
+  # Damage the newest step: a resume skips it, says why, continues from the
+  # newest intact step, and still ends bit-identical.
+  newest = ckpt / "40"
+  data = max((p for p in newest.rglob("*") if p.is_file() and p.parent.name == "d"),
+             key=lambda p: p.stat().st_size)
+  data.write_bytes(data.read_bytes()[:100])
+  out = _finish(_job(*common, f"--checkpoint_dir={ckpt}", "--checkpoint_every=10",
+                     "--resume", f"--save_tables={tmp_path}/again.npz"))
+  assert "checkpoint step 40 is not intact, skipped (kept as 40.corrupt)" in out, out[-3000:]
+  assert "resumed from step 30" in out
+  got = np.load(tmp_path / "again.npz")
+  for name in ref:
+    np.testing.assert_array_equal(got[name], ref[name], err_msg=name)
 
 
 def _trainer(num_devices, layout="mod"):
-  dataset = data_lib.SyntheticClickLog(num_users=500, num_items=300, eval_examples=256)
-  emb, model = build_ranking(dataset, make_mesh(num_devices), emb_dim=8, backend="xla",
-                             optimizer=pe.RowWiseAdagrad(0.05, half_life_steps=None))
-  if layout != "mod":
-    emb = dataclasses.replace(emb, tables=tuple(dataclasses.replace(t, layout=layout)
-                                                for t in emb.tables))
-  feeder = GlobalBatches(dataset, 64, emb.sharding())
-  trainer = pe.make_trainer(emb, model.loss, optax.adam(1e-3), pe.TrainConfig(),
-                            feeder.train(0))
-  state = trainer.init(model.init(jax.random.key(1)), emb.init(jax.random.key(2)),
+  trainer, model, feeder = small_trainer(num_devices, layout)
+  state = trainer.init(model.init(jax.random.key(1)), trainer.emb.init(jax.random.key(2)),
                        feeder.train(0))
   return trainer, state, feeder
 
@@ -202,3 +204,28 @@ def test_two_processes_match_one_process(tmp_path):
   for name in a:
     # Dense all-reduces run through gloo in another order: rounding only.
     np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_a_lost_process_is_named_with_the_last_checkpoint(tmp_path):
+  ckpt, port = tmp_path / "ckpt", _free_port()
+  procs = [_job("--steps=100000", "--devices=4", "--num_processes=2", f"--process_id={i}",
+                f"--coordinator_address=127.0.0.1:{port}", f"--checkpoint_dir={ckpt}",
+                "--checkpoint_every=2", "--heartbeat_timeout=5", timeout=240)
+           for i in range(2)]
+  steps = lambda: [int(p.name) for p in ckpt.iterdir() if p.name.isdigit()] if ckpt.exists() else []
+  deadline = time.time() + 200
+  while not steps():
+    assert all(p.poll() is None for p in procs) and time.time() < deadline, [
+        p.stdout.read()[-2000:] for p in procs if p.poll() is not None]
+    time.sleep(0.2)
+  # SIGKILL process 1 whole: `timeout`, its supervisor and its worker.
+  os.killpg(procs[1].pid, signal.SIGKILL)
+  killed = time.time()
+  out, _ = procs[0].communicate(timeout=60)
+  procs[1].wait()
+  assert procs[0].returncode == supervisor.EXIT_PEER_LOST, out[-3000:]
+  assert time.time() - killed < 30
+  match = re.search(r"pallas_emb: lost process 1 of 2 .* process 0 stops too\. Last good "
+                    r"checkpoint: step (\d+) in (\S+); restart every process with --resume", out)
+  assert match, out[-3000:]
+  assert int(match.group(1)) == max(steps()) and match.group(2) == str(ckpt)

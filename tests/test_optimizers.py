@@ -105,6 +105,30 @@ def test_lazy_adam_matches_numpy_with_per_row_counts():
   np.testing.assert_array_equal(slots["count"], t)
 
 
+@pytest.mark.parametrize("b1,b2", [(0.9, 0.999), (0.9, 1 - 1e-7), (0.0, 0.99999)])
+def test_lazy_adam_bias_correction_matches_float64_at_any_count(b1, b2):
+  # Per-row counts from 1 to 10**5 (a rare row stays at small t for ever; b
+  # near 1 keeps b ** t near 1 for long runs). 1 - exp(t log b) in float32
+  # was off by up to 1e-3 relative here; now it is float32 rounding.
+  t = np.array([1, 2, 3, 10, 999, 12345, 10**5 - 1], np.int32)
+  rng = np.random.default_rng(0)
+  m = rng.normal(size=(len(t), 4)).astype(np.float32)
+  v = rng.random((len(t), 4)).astype(np.float32) + 0.5
+  g = rng.normal(size=(len(t), 4)).astype(np.float32)
+  rows = np.zeros((len(t), 4), np.float32)
+  opt = pe.LazyAdam(learning_rate=1.0, b1=b1, b2=b2, eps=1e-8)
+  got, slots = opt.update_rows(jnp.asarray(rows), {"m": m, "v": v, "count": t[:, None]},
+                               jnp.asarray(g), opt.scalars(jnp.int32(0)))
+  f64 = lambda x: np.asarray(x, np.float64)
+  n = f64(t + 1)[:, None]
+  m64 = f64(np.float32(b1)) * f64(m) + f64(np.float32(1 - b1)) * f64(g)
+  v64 = f64(np.float32(b2)) * f64(v) + f64(np.float32(1 - b2)) * f64(g) ** 2
+  corr = lambda b: -np.expm1(n * np.log(b)) if b else 1.0
+  want = -(m64 / corr(b1)) / (np.sqrt(v64 / corr(b2)) + 1e-8)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=2e-6)
+  np.testing.assert_array_equal(np.asarray(slots["count"]), t[:, None] + 1)
+
+
 @pytest.mark.parametrize("opt,tx", [
     (pe.SGD(0.25), optax.sgd(0.25)),
     (pe.Adagrad(0.5, initial_accumulator_value=0.1, eps=1e-7),

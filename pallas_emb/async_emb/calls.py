@@ -49,11 +49,14 @@ def lookup_start(context: AsyncEmbContextHandle, table: jax.Array,
 
   Raises:
     AsyncEmbStateError: while an update of the table is in flight.
+    PlacementError: ids committed to devices outside the context's mesh.
+    MeshMismatchError: a table of another mesh.
   """
   IN_FLIGHT.check_idle(context, "lookup_start")
   t = context.sharded_table
   tokens = validate.check_ids(t.features, ids, t.num_shards,
                               t.axis)[context.name] * t.num_shards
+  validate.check_placement(ids, t.mesh)
   if tokens != context.tokens_per_batch:
     raise InputError(
         f"lookup_start on table {context.name!r}: the ids hold {tokens} "
@@ -81,7 +84,8 @@ def make_gradient_update(context: AsyncEmbContextHandle, lookup: EmbLookup,
   token_grads = programs.token_gradients(
       t, lookup.residuals, tuple(grads[f.name] for f in t.features))
   return AsyncEmbGradientUpdate.from_residuals(lookup.residuals, token_grads,
-                                               jnp.asarray(True))
+                                               jnp.asarray(True),
+                                               context.identity)
 
 
 def empty_gradient_update(context: AsyncEmbContextHandle) -> AsyncEmbGradientUpdate:
@@ -89,7 +93,8 @@ def empty_gradient_update(context: AsyncEmbContextHandle) -> AsyncEmbGradientUpd
   res, token_grads = programs.empty_residuals(context.sharded_table,
                                               context.tokens_per_rank)
   return AsyncEmbGradientUpdate.from_residuals(res, token_grads,
-                                               jnp.asarray(False))
+                                               jnp.asarray(False),
+                                               context.identity)
 
 
 def gradient_update_start(context: AsyncEmbContextHandle,
@@ -117,6 +122,9 @@ def gradient_update_start(context: AsyncEmbContextHandle,
 
   Raises:
     NotImplementedError: if the table's optimizer has no fused update.
+    UpdateMismatchError: `update` was made by another context (another
+      table, optimizer or mesh).
+    MeshMismatchError: `table` or `state` lives on another mesh.
   """
   opt = context.spec.optimizer
   if not supports_async_emb(opt):

@@ -18,7 +18,7 @@ from pallas_emb import programs, validate
 from pallas_emb.async_emb.protocol import AsyncEmbGradientUpdate, EmbOptState
 from pallas_emb.async_emb.tracker import IN_FLIGHT
 from pallas_emb.embedding import ShardedEmbedding
-from pallas_emb.errors import InputError, check_int
+from pallas_emb.errors import InputError, UpdateMismatchError, check_int
 from pallas_emb.shard_ops import ShardedTable
 from pallas_emb.spec import FeatureSpec, TableSpec
 from pallas_emb.state import TableState
@@ -96,9 +96,39 @@ class AsyncEmbContextHandle:
     """The entries of a feature -> array dict that belong to this table."""
     return {f.name: per_feature[f.name] for f in self.features}
 
+  @property
+  def identity(self) -> str:
+    """Which table, optimizer and mesh this context updates: the owner
+    recorded in its `AsyncEmbGradientUpdate`s."""
+    t = self.sharded_table
+    devices = [d.id for d in t.mesh.devices.flat]
+    return (f"table {t.name!r} ({t.spec.num_rows}x{t.spec.dim} "
+            f"{np.dtype(t.spec.dtype).name}, features "
+            f"{[f.name for f in t.features]}, {t.spec.optimizer!r}) on mesh "
+            f"axis {t.axis!r} over devices {devices}")
+
   def check_state(self, table, slots=None) -> None:
-    """Validates the stored table (and slots) against the table's spec."""
-    validate.check_state(self.spec, self.sharded_table.layout, table, slots)
+    """Validates the stored table (and slots) against the table's spec and
+    mesh."""
+    validate.check_state(self.spec, self.sharded_table.layout, table, slots,
+                         self.mesh)
+
+  def check_update(self, update) -> None:
+    """Refuses an update that is not an `AsyncEmbGradientUpdate` of this
+    table, optimizer and mesh."""
+    if not isinstance(update, AsyncEmbGradientUpdate) or update.plan is None:
+      raise InputError(
+          f"gradient_update_start on table {self.name!r} needs an "
+          "AsyncEmbGradientUpdate from make_gradient_update or "
+          f"empty_gradient_update, got {type(update).__name__}.")
+    if update.owner != self.identity:
+      raise UpdateMismatchError(
+          f"gradient_update_start on {self.identity} was given the update "
+          f"of {update.owner or 'an unknown context (owner=None)'}; pass "
+          "the update that this table's make_gradient_update (or "
+          "empty_gradient_update) returned.")
+    validate.check_token_grads(self.name, update.grads, self.tokens_per_batch,
+                               self.emb_width)
 
   # -- what the optimizers' protocol methods delegate to ------------------------
 
@@ -111,13 +141,7 @@ class AsyncEmbContextHandle:
           f"{self.name!r} is trained by {self.spec.optimizer!r}; call it on "
           "the table's optimizer (or use pallas_emb.gradient_update_start).")
     IN_FLIGHT.check_idle(self, "gradient_update_start")
-    if not isinstance(update, AsyncEmbGradientUpdate) or update.plan is None:
-      raise InputError(
-          f"gradient_update_start on table {self.name!r} needs an "
-          "AsyncEmbGradientUpdate from make_gradient_update or "
-          f"empty_gradient_update, got {type(update).__name__}.")
-    validate.check_token_grads(self.name, update.grads, self.tokens_per_batch,
-                               self.emb_width)
+    self.check_update(update)
     self.check_state(table, state.slots)
     new, metrics = programs.apply_token_gradients(
         self.sharded_table,

@@ -43,6 +43,9 @@ class AsyncEmbGradientUpdate(NamedTuple):
     num_invalid: (S,) int32 invalid ids per data shard in that lookup.
     num_overflow: (S,) int32 unique-capacity overflow per data shard.
     num_unique: (S,) int32 distinct valid ids per data shard, kept or not.
+    owner: the `identity` of the context that made it (its table, optimizer
+      and mesh); `gradient_update_start` refuses an update of another.
+      Static: pytree auxiliary data, never a traced leaf.
   """
 
   unique_tokens: jax.Array
@@ -53,12 +56,15 @@ class AsyncEmbGradientUpdate(NamedTuple):
   num_invalid: Optional[jax.Array] = None
   num_overflow: Optional[jax.Array] = None
   num_unique: Optional[jax.Array] = None
+  owner: Optional[str] = None
 
   @classmethod
   def from_residuals(cls, residuals: TableResiduals, token_grads: jax.Array,
-                     pending) -> "AsyncEmbGradientUpdate":
+                     pending, owner: Optional[str] = None
+                     ) -> "AsyncEmbGradientUpdate":
     """An update from a lookup's (or `ShardedEmbedding.plan`'s) residuals and
-    (S * tokens_per_shard, dim) per-token gradients in its device order."""
+    (S * tokens_per_shard, dim) per-token gradients in its device order;
+    `owner` is the identity of the context that will apply it."""
     plan = residuals.plan
     # unique_tokens and segment_ids are the plan's own send_keys and
     # token_slot; the plan does not hold them twice (a donated state may not
@@ -68,7 +74,7 @@ class AsyncEmbGradientUpdate(NamedTuple):
                plan=plan._replace(send_keys=None, token_slot=None),
                num_invalid=residuals.num_invalid,
                num_overflow=residuals.num_overflow,
-               num_unique=residuals.num_unique)
+               num_unique=residuals.num_unique, owner=owner)
 
   def residuals(self) -> TableResiduals:
     """The lookup residuals this update routes by."""
@@ -77,6 +83,23 @@ class AsyncEmbGradientUpdate(NamedTuple):
     return TableResiduals(weights=(), plan=plan, num_invalid=self.num_invalid,
                           num_overflow=self.num_overflow,
                           num_unique=self.num_unique)
+
+
+# The owner is auxiliary data, so it stays a static Python string through
+# `jax.jit` and `tree.map`. A registration takes precedence over JAX's own
+# handling of NamedTuples, which would make every field a child.
+_ARRAY_FIELDS = AsyncEmbGradientUpdate._fields[:-1]
+
+
+def _flatten_with_keys(update: AsyncEmbGradientUpdate):
+  return (tuple((jax.tree_util.GetAttrKey(k), getattr(update, k))
+                for k in _ARRAY_FIELDS), update.owner)
+
+
+jax.tree_util.register_pytree_with_keys(
+    AsyncEmbGradientUpdate, _flatten_with_keys,
+    lambda owner, children: AsyncEmbGradientUpdate(*children, owner=owner),
+    lambda update: (tuple(update[:-1]), update.owner))
 
 
 class EmbOptState(NamedTuple):

@@ -7,7 +7,8 @@ Reads the three formats of the GroupLens releases:
 * `ratings.csv` (ML-20M, ML-25M, latest): `userId,movieId,rating,timestamp`
   with a header line.
 
-Raw ids are remapped to dense indices. The split is by time: the latest
+Raw ids are integers end to end (never parsed through a float, so ids at or
+above 2**53 stay distinct) and are remapped to dense indices. The split is by time: the latest
 `eval_fraction` of ratings are held out, as a model is deployed on the future.
 Features: user, item, hour of day and day of week of the rating.
 """
@@ -15,34 +16,93 @@ Features: user, item, hour of day and day of week of the rating.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import numpy as np
 
 from pallas_emb.data.base import DataError, FeatureInfo
 
 
+class Ratings(NamedTuple):
+  """A ratings file, one entry per rating line, in file order.
+
+  Ids are parsed as integers end to end, never through a float, so distinct
+  raw ids stay distinct at any size.
+
+  Attributes:
+    user, item: (N,) raw ids: int64, or Python ints (dtype object) when one
+      does not fit int64.
+    rating: (N,) float64, all finite.
+    timestamp: (N,) int64 seconds since the epoch.
+  """
+
+  user: np.ndarray
+  item: np.ndarray
+  rating: np.ndarray
+  timestamp: np.ndarray
+
+
+_INT64 = np.iinfo(np.int64)
+
+
 def _parse_line(line: str, sep: str | None, path: str, lineno: int):
   fields = line.split(sep) if sep else line.split()
+  where = f"{path}:{lineno}"
   if len(fields) != 4:
     raise DataError(
-        f"{path}:{lineno}: expected 4 fields (user, item, rating, timestamp), "
+        f"{where}: expected 4 fields (user, item, rating, timestamp), "
         f"got {len(fields)}: {line.strip()[:80]!r}")
   try:
-    return int(fields[0]), int(fields[1]), float(fields[2]), int(float(fields[3]))
+    user, item = int(fields[0]), int(fields[1])
+    rating = float(fields[2])
   except ValueError as e:
     raise DataError(
-        f"{path}:{lineno}: cannot parse {line.strip()[:80]!r} as integer "
-        f"user, item, timestamp and numeric rating ({e}).") from None
+        f"{where}: cannot parse {line.strip()[:80]!r} as integer user and "
+        f"item ids and a numeric rating ({e}).") from None
+  if not math.isfinite(rating):
+    raise DataError(f"{where}: rating {fields[2].strip()!r} is not a finite "
+                    "number; fix or drop the line.")
+  return user, item, rating, _timestamp(fields[3].strip(), where)
 
 
-def load_ratings(path: str) -> np.ndarray:
-  """Reads a ratings file into an (N, 4) float64 array (user, item, rating, ts).
+def _timestamp(text: str, where: str) -> int:
+  """Seconds since the epoch, an integer (written as one, or as a float
+  with no fraction) that fits int64."""
+  try:
+    value = int(text)
+  except ValueError:
+    try:
+      number = float(text)
+    except ValueError:
+      raise DataError(f"{where}: timestamp {text!r} is not a number; it "
+                      "must be integer seconds since the epoch.") from None
+    if not math.isfinite(number) or number != int(number):
+      raise DataError(f"{where}: timestamp {text!r} is not an integer "
+                      "number of seconds since the epoch; fix or drop the "
+                      "line.")
+    value = int(number)
+  if not _INT64.min <= value <= _INT64.max:
+    raise DataError(f"{where}: timestamp {text!r} does not fit int64 seconds; "
+                    "fix or drop the line.")
+  return value
+
+
+def _id_array(ids: list[int]) -> np.ndarray:
+  """Raw ids as int64, or as exact Python ints when one does not fit."""
+  if all(_INT64.min <= i <= _INT64.max for i in ids):
+    return np.array(ids, np.int64)
+  return np.array(ids, dtype=object)
+
+
+def load_ratings(path: str) -> Ratings:
+  """Reads a ratings file (u.data, ratings.dat or ratings.csv).
 
   Raises:
-    DataError: the file is missing, empty, or has a malformed line (the
-      message names the path and the line number).
+    DataError: the file is missing or empty, or a line is malformed or holds
+      a non-finite rating or timestamp (the message names the path and the
+      line number).
   """
   if not os.path.isfile(path):
     raise DataError(f"MovieLens ratings file {path!r} does not exist; pass "
@@ -64,7 +124,9 @@ def load_ratings(path: str) -> np.ndarray:
       rows.append(_parse_line(line, sep, path, lineno))
   if not rows:
     raise DataError(f"MovieLens ratings file {path!r} holds no ratings.")
-  return np.asarray(rows, dtype=np.float64)
+  user, item, rating, timestamp = zip(*rows)
+  return Ratings(_id_array(list(user)), _id_array(list(item)),
+                 np.array(rating, np.float64), np.array(timestamp, np.int64))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -96,19 +158,19 @@ class MovieLens:
     if not 0.0 < eval_fraction < 1.0:
       raise DataError(f"eval_fraction must be in (0, 1), got {eval_fraction}.")
     r = load_ratings(path)
-    if len(r) < 2:
-      raise DataError(f"MovieLens ratings file {path!r} holds {len(r)} rating; "
+    n = len(r.rating)
+    if n < 2:
+      raise DataError(f"MovieLens ratings file {path!r} holds {n} rating; "
                       "a train/eval split needs at least 2.")
-    r = r[np.argsort(r[:, 3], kind="stable")]
-    _, user = np.unique(r[:, 0].astype(np.int64), return_inverse=True)
-    _, item = np.unique(r[:, 1].astype(np.int64), return_inverse=True)
-    ts = r[:, 3].astype(np.int64)
-    n = len(r)
+    order = np.argsort(r.timestamp, kind="stable")
+    _, user = np.unique(r.user[order], return_inverse=True)
+    _, item = np.unique(r.item[order], return_inverse=True)
+    ts = r.timestamp[order]
     num_train = min(max(int(round(n * (1 - eval_fraction))), 1), n - 1)
     return cls(user=user.astype(np.int32), item=item.astype(np.int32),
                hour=((ts // 3600) % 24).astype(np.int32),
                weekday=((ts // 86400 + 4) % 7).astype(np.int32),  # 1970-01-01: Thursday
-               label=(r[:, 2] >= 4).astype(np.float32), num_train=num_train,
+               label=(r.rating[order] >= 4).astype(np.float32), num_train=num_train,
                num_users=int(user.max()) + 1, num_items=int(item.max()) + 1,
                seed=seed)
 

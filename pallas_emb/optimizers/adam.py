@@ -25,6 +25,24 @@ from pallas_emb.optimizers.base import (
 from pallas_emb.optimizers.fused_async import FusedAsyncEmbUpdate
 
 
+def _bias_correction(b: float, t: jax.Array):
+  """1 - b ** t for a float32 count t >= 1, accurate to float32 rounding.
+
+  `1 - exp(t * log b)` cancels catastrophically while b ** t is near 1 (at
+  t = 1, b = 0.999 loses 8 of float32's 24 bits; a rarely seen row keeps a
+  small count for ever, and b near 1 keeps b ** t near 1 for long runs).
+  This is -expm1(x) for x = t * log b <= 0, written with tanh because Pallas
+  has no TPU lowering of expm1: with h = tanh(x / 2), expm1(x) =
+  2h / (1 - h), and 1 - h lies in [1, 2), so nothing cancels. log b is
+  rounded once, on the host in float64; nothing on the device is float64
+  (TPU has none).
+  """
+  if not b:
+    return 1
+  h = jnp.tanh(t * np.float32(math.log(b) / 2))
+  return -2 * h / (1 - h)
+
+
 class AdamScalars(NamedTuple):
   learning_rate: jax.Array
 
@@ -64,10 +82,8 @@ class LazyAdam(EmbeddingOptimizer, FusedAsyncEmbUpdate):
     b1, b2 = np.float32(self.b1), np.float32(self.b2)
     m = b1 * slots["m"] + (1 - b1) * grads
     v = b2 * slots["v"] + (1 - b2) * (grads * grads)
-    # b ** t as exp(t * log b): a vector power that lowers on TPU.
-    correction1 = 1 - jnp.exp(t * np.float32(math.log(self.b1))) if self.b1 else 1
-    correction2 = 1 - jnp.exp(t * np.float32(math.log(self.b2))) if self.b2 else 1
-    update = (m / correction1) / (jnp.sqrt(v / correction2) + np.float32(self.eps))
+    update = (m / _bias_correction(self.b1, t)) / (
+        jnp.sqrt(v / _bias_correction(self.b2, t)) + np.float32(self.eps))
     return rows - scalars.learning_rate * update, {"m": m, "v": v, "count": count}
 
 

@@ -15,27 +15,35 @@ and never saves it). Nothing saved depends on the device count:
   which the caller supplies.
 
 A run restored onto the same mesh continues bit-for-bit as if never stopped.
+
+Every step is verified as it is read back (`checkpoint_dir`): restore takes
+the newest step that reads back intact, says which newer ones it skipped and
+why, and raises `CheckpointCorruptError` when none does. A checkpoint
+written with other tables, optimizer, batch shapes or pipeline is refused
+with `CheckpointMismatchError` before any array is read.
 """
 
 from __future__ import annotations
 
-import os
-from typing import Any, Callable, Mapping
+import logging
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 
 from pallas_emb import async_emb, programs, tokens
 from pallas_emb import state as state_lib
+from pallas_emb.errors import (
+    CheckpointCorruptError, CheckpointError, CheckpointMismatchError)
 from pallas_emb.state import TableState
+from pallas_emb.train.checkpoint_dir import CheckpointDir, StepUnreadable
 from pallas_emb.train.step import Trainer, TrainState
 from sharding.layout import RowLayout
 
+__all__ = ["CheckpointError", "Checkpointer", "Restored"]
 
-class CheckpointError(ValueError):
-  """A checkpoint that does not fit the trainer it is restored into."""
+log = logging.getLogger("pallas_emb.checkpoint")
 
 
 # Token gradients between the mesh's device order and per-feature arrays.
@@ -57,24 +65,55 @@ def _abstract(x) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
 
+def _optimizer_meta(opt) -> dict:
+  return {"optimizer": type(opt).__name__,
+          "slots": sorted(opt.slot_specs())}
+
+
+class Restored(NamedTuple):
+  """What `Checkpointer.restore_verified` restored.
+
+  Attributes:
+    state: the `TrainState`.
+    step: the checkpoint step it came from.
+    meta: that step's metadata (`extra` holds what the caller saved).
+    skipped: (step, why) of each newer step that did not read back intact,
+      newest first; they were renamed to STEP.corrupt (unless read-only).
+  """
+
+  state: TrainState
+  step: int
+  meta: dict
+  skipped: tuple[tuple[int, str], ...]
+
+
 class Checkpointer:
   """Saves and restores a trainer's state in `directory` (orbax).
 
   Args:
-    directory: where step directories go (created).
+    directory: where step directories go (created; it must be writable).
     trainer: the `Trainer` whose states are saved.
     max_to_keep: checkpoints kept.
+    read_only: only restore (from a directory this process cannot write).
+
+  Raises:
+    CheckpointDirError: the directory cannot be written (unless read_only).
   """
 
-  def __init__(self, directory: str, trainer: Trainer, max_to_keep: int = 3):
+  def __init__(self, directory: str, trainer: Trainer, max_to_keep: int = 3,
+               read_only: bool = False):
     self.trainer = trainer
-    self.manager = ocp.CheckpointManager(
-        os.path.abspath(directory),
-        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
-                                             create=True))
+    self.dir = CheckpointDir(directory, max_to_keep=max_to_keep,
+                             writable=not read_only)
+
+  @property
+  def directory(self) -> str:
+    return self.dir.path
 
   def latest_step(self) -> int | None:
-    return self.manager.latest_step()
+    """The newest step present (intact or not)."""
+    steps = self.dir.steps()
+    return steps[0] if steps else None
 
   def save(self, state: TrainState, batch_shapes: Mapping[str, tuple[int, int]],
            extra: Mapping[str, Any] | None = None) -> int:
@@ -84,6 +123,9 @@ class Checkpointer:
       state: the state after a step (not donated yet).
       batch_shapes: feature -> (B, L) of the training batches.
       extra: JSON-serialisable metadata (e.g. the data position).
+
+    Raises:
+      CheckpointDirError: the write failed (permissions, full disk...).
     """
     tr = self.trainer
     step = int(jax.device_get(state.step))
@@ -101,24 +143,43 @@ class Checkpointer:
             "pending": pending, "lookup_acts": lookup_acts, "step": state.step}
     meta = {"step": step, "num_shards": tr.emb.num_shards,
             "tables": {t.name: {"num_rows": t.num_rows, "dim": t.dim,
-                                "dtype": str(np.dtype(t.dtype)), "layout": t.layout}
+                                "dtype": str(np.dtype(t.dtype)), "layout": t.layout,
+                                **_optimizer_meta(t.optimizer)}
                        for t in tr.emb.tables},
             "use_async_emb": tr.config.use_async_emb, "exact": tr.config.exact,
             "batch_shapes": {k: list(v) for k, v in batch_shapes.items()},
             "extra": dict(extra or {})}
-    self.manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(item), meta=ocp.args.JsonSave(meta)))
-    self.manager.wait_until_finished()
+    self.dir.write(step, item, meta)
     return step
 
   def metadata(self, step: int | None = None) -> dict:
+    """The verified metadata of `step` (the latest by default).
+
+    Raises:
+      CheckpointCorruptError: it does not read back intact.
+    """
     step = self.latest_step() if step is None else step
-    return self.manager.restore(step, args=ocp.args.Composite(
-        meta=ocp.args.JsonRestore()))["meta"]
+    try:
+      return self.dir.read_meta(step)
+    except StepUnreadable as e:
+      raise CheckpointCorruptError(
+          f"checkpoint step {step} in {self.directory!r} is not intact: "
+          f"{e}.") from None
 
   def restore(self, template: TrainState,
               batch_at: Callable[[int], Any], step: int | None = None) -> TrainState:
-    """Restores a checkpoint into this trainer's mesh.
+    """`restore_verified(...).state`."""
+    return self.restore_verified(template, batch_at, step).state
+
+  def restore_verified(self, template: TrainState,
+                       batch_at: Callable[[int], Any],
+                       step: int | None = None) -> Restored:
+    """Restores the newest intact checkpoint into this trainer's mesh.
+
+    Each step is read back and checked against its checksums, newest first;
+    a step that is not intact is skipped (with a warning naming it and
+    why), and renamed to STEP.corrupt so that training can write it again
+    (unless the checkpointer is read-only).
 
     Args:
       template: a state of this trainer (e.g. from `init`): gives the
@@ -126,24 +187,42 @@ class Checkpointer:
       batch_at: data position -> the training batch at that index (global
         device arrays or host arrays). The pending update is rebuilt from
         `batch_at(step - 1)`, the started lookup from `batch_at(step)`.
-      step: which checkpoint; the latest by default.
+      step: restore this step or fail; default: the newest intact one.
 
     Raises:
-      CheckpointError: tables or pipeline differ from the trainer's.
+      CheckpointError: there is no checkpoint.
+      CheckpointMismatchError: tables, optimizer, batch shapes or pipeline
+        differ from the trainer's.
+      CheckpointCorruptError: no step (or not `step`) reads back intact.
     """
-    step = self.latest_step() if step is None else step
-    if step is None:
-      raise CheckpointError("no checkpoint to restore in "
-                            f"{self.manager.directory}.")
-    meta = self.metadata(step)
-    self._check_compatible(meta)
-    item = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(self._target(template, meta))))["state"]
-    tables = {name: self._table(name, meta, d)
-              for name, d in item["tables"].items()}
-    pending, lookups = self._pipeline(tables, item, meta, batch_at, step)
-    return TrainState(item["params"], item["opt_state"], tables, pending,
-                      lookups, item["step"])
+    candidates = self.dir.steps() if step is None else [step]
+    if not candidates:
+      raise CheckpointError(f"no checkpoint to restore in {self.directory!r}.")
+    skipped = []
+    for s in candidates:
+      try:
+        meta = self.dir.read_meta(s)
+        self._check_compatible(meta, batch_at(s), s)
+        item = self.dir.read_state(s, self._target(template, meta), meta)
+      except StepUnreadable as e:
+        skipped.append((s, str(e)))
+        log.warning("checkpoint step %d in %s is not intact, skipped: %s",
+                    s, self.directory, e)
+        continue
+      tables = {name: self._table(name, meta, d)
+                for name, d in item["tables"].items()}
+      pending, lookups = self._pipeline(tables, item, meta, batch_at, s)
+      if self.dir.writable:
+        for bad, _ in skipped:
+          self.dir.quarantine(bad)
+      state = TrainState(item["params"], item["opt_state"], tables, pending,
+                         lookups, item["step"])
+      return Restored(state, s, meta, tuple(skipped))
+    reasons = "; ".join(f"step {s}: {why}" for s, why in skipped)
+    raise CheckpointCorruptError(
+        f"no intact checkpoint in {self.directory!r} ({reasons}). Restore "
+        "the directory from a backup, or move it away to train from "
+        "scratch.")
 
   def _old_layout(self, name: str, meta: dict) -> RowLayout | None:
     """The saved layout of table `name`, or None if it is this trainer's."""
@@ -226,20 +305,41 @@ class Checkpointer:
           pending_batch["ids"][n] for n in names))
       pending[name] = async_emb.AsyncEmbGradientUpdate.from_residuals(
           routed, _to_devices(saved["grads"], names, ctx.group_size),
-          saved["pending"])
+          saved["pending"], ctx.identity)
     return pending, lookups
 
-  def _check_compatible(self, meta: dict) -> None:
+  def _check_compatible(self, meta: dict, batch, step: int) -> None:
+    """Refuses a checkpoint of other tables, optimizers, batch shapes or
+    pipeline than this trainer's (each would restore wrongly shaped state,
+    or right-shaped state that means something else)."""
     tr = self.trainer
+    where = f"checkpoint step {step} in {self.directory!r}"
     for t in tr.emb.tables:
       saved = meta["tables"].get(t.name)
       want = {"num_rows": t.num_rows, "dim": t.dim, "dtype": str(np.dtype(t.dtype))}
       if saved is None or any(saved[k] != v for k, v in want.items()):
-        raise CheckpointError(
-            f"checkpoint table {t.name!r} is {saved}, but the trainer's is "
-            f"{want}; restore with the same table specs.")
+        raise CheckpointMismatchError(
+            f"{where} has table {t.name!r} as {saved}, but the trainer's is "
+            f"{want}; restore with the same table specs, or use a new "
+            "checkpoint directory.")
+      opt = _optimizer_meta(t.optimizer)
+      if "optimizer" in saved and any(saved[k] != v for k, v in opt.items()):
+        raise CheckpointMismatchError(
+            f"{where} trained table {t.name!r} with {saved['optimizer']} "
+            f"(slots {saved['slots']}), but the trainer's optimizer is "
+            f"{opt['optimizer']} (slots {opt['slots']}); resume with the "
+            "optimizer the checkpoint was written with, or use a new "
+            "checkpoint directory.")
+    shapes = {k: list(np.shape(v)) for k, v in sorted(batch["ids"].items())}
+    if any(shapes.get(k) != v for k, v in meta["batch_shapes"].items()):
+      raise CheckpointMismatchError(
+          f"{where} was written for batches of ids shaped "
+          f"{dict(sorted(meta['batch_shapes'].items()))}, but the batches now "
+          f"are {shapes}; "
+          "resume with the batch size the checkpoint was written with, or "
+          "use a new checkpoint directory.")
     if (meta["use_async_emb"], meta["exact"]) != (tr.config.use_async_emb, tr.config.exact):
-      raise CheckpointError(
-          "the checkpoint was written by the "
+      raise CheckpointMismatchError(
+          f"{where} was written by the "
           f"use_async_emb={meta['use_async_emb']}, exact={meta['exact']} "
           "pipeline; restore it with the same TrainConfig.")

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from pallas_emb import async_emb
+from pallas_emb import async_emb, validate
 from pallas_emb.async_emb import (
     AsyncEmbContextHandle, AsyncEmbGradientUpdate, EmbLookup, EmbOptState)
 from pallas_emb.embedding import ShardedEmbedding
@@ -73,8 +73,10 @@ _COUNTS = ("unique_ids", "invalid_ids", "overflow_ids", "max_unique_per_shard",
 
 
 def _table_metrics(m: Mapping[str, jax.Array], pending, norm, valid):
-  return {"grad_norm": norm, "applied": valid,
-          "skipped": jnp.logical_and(pending, jnp.logical_not(valid)),
+  # Skipped: a pending update with rows that was not applied (non-finite
+  # norm). An update without rows is nothing to apply, not a skip.
+  skipped = pending & jnp.logical_not(valid) & (m["unique_ids"] > 0)
+  return {"grad_norm": norm, "applied": valid, "skipped": skipped,
           **{k: m[k] for k in _COUNTS}}
 
 
@@ -138,6 +140,9 @@ class Trainer:
       "max_rows_per_owner"} (see `TableMetrics`; for async, of the update
       applied in this step, i.e. of step t-1's batch).
     """
+    for b in (batch, next_batch):
+      if b is not None:
+        validate.check_placement(b["ids"], self.emb.mesh)
     if self.contexts and next_batch is None:
       raise InputError(
           "the async and exact pipelines need next_batch: step t starts the "
