@@ -38,6 +38,8 @@ _EXPORTS = {
     **dict.fromkeys(["expected_collision_fraction", "hash64", "hash_ids"],
                     "pallas_emb.hashing"),
     "int32_ids": "pallas_emb.ids",
+    **dict.fromkeys(["Ragged", "Weighted", "ragged", "ragged_from_csr"],
+                    "pallas_emb.inputs"),
     **dict.fromkeys(["FeatureSpec", "TableSpec", "default_initializer"],
                     "pallas_emb.spec"),
     **dict.fromkeys(
@@ -80,6 +82,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
       OptaxRows, RowWiseAdagrad, SlotSpec)
   from pallas_emb.hashing import expected_collision_fraction, hash64, hash_ids
   from pallas_emb.ids import int32_ids
+  from pallas_emb.inputs import Ragged, Weighted, ragged, ragged_from_csr
   from pallas_emb.spec import FeatureSpec, TableSpec, default_initializer
   from pallas_emb.state import TableMetrics, TableResiduals, TableState
   from pallas_emb.train import (

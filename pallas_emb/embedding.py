@@ -26,12 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from pallas_emb import kernels, programs, state as state_lib, validate
+from pallas_emb import kernels, pooling, programs, state as state_lib, validate
 from pallas_emb.ids import int32_ids
 from pallas_emb.capacity import Capacities
 from pallas_emb.errors import InputError, SpecError
 from pallas_emb.shard_ops import ShardedTable
-from pallas_emb.spec import FeatureSpec, TableSpec
+from pallas_emb.spec import FeatureSpec, TableSpec, check_max_norm
 from pallas_emb.state import TableMetrics, TableResiduals, TableState
 from sharding.layout import RowLayout
 
@@ -226,7 +226,8 @@ class ShardedEmbedding:
 
   def apply_gradients(self, tables: Mapping[str, TableState],
                       residuals: Mapping[str, TableResiduals],
-                      grads: Mapping[str, jax.Array], gate=True):
+                      grads: Mapping[str, jax.Array], gate=True, *,
+                      max_global_norm: float | None = None):
     """Sparse, fused optimizer update of every looked-up table, in place.
 
     `tables` is donated: its buffers are reused for the result.
@@ -236,24 +237,51 @@ class ShardedEmbedding:
       residuals: the second result of `lookup`.
       grads: feature -> gradient of the loss w.r.t. that feature's output.
       gate: bool scalar; False skips every update (metrics still computed).
+      max_global_norm: None, or clip by one norm over every table's summed
+        row gradients: sqrt(sum of the tables' `grad_norm`**2). When it
+        exceeds max_global_norm every table's gradients are scaled by
+        max_global_norm / that norm, and when it is not finite no table is
+        updated. It replaces the tables' own `max_grad_norm`, and routes
+        each table's gradients twice (once for the norm).
 
     Returns:
-      (tables, metrics): the updated states and table name -> `TableMetrics`.
+      (tables, metrics): the updated states and table name -> `TableMetrics`
+      (`grad_norm` is each table's own, unclipped norm).
     """
     self.check_tables(tables, residuals)
+    check_max_norm(max_global_norm, "max_global_norm")
     tables, metrics = dict(tables), {}
     gate = jnp.asarray(gate, jnp.bool_)
+    shards = {}
     for name, res in residuals.items():
       spec, feats = self.table_spec(name), self.features_of(name)
       validate.check_feature_grads(
           name, feats, grads,
-          [validate.output_shape(f, w.shape, spec.dim)
+          [pooling.output_shape(f.combiner, w, spec.dim)
            for f, w in zip(feats, res.weights)])
-      t = self.sharded_table(name,
-                             res.plan.token_slot.shape[0] // self.num_shards)
+      shards[name] = self.sharded_table(
+          name, res.plan.token_slot.shape[0] // self.num_shards)
+    clip = None
+    if max_global_norm is not None:
+      clip = (jnp.float32(max_global_norm), _norm_of_norms(
+          [programs.grad_norm(t, residuals[name],
+                              self._feature_args(name, grads))
+           for name, t in shards.items()]))
+    for name, t in shards.items():
       tables[name], metrics[name] = programs.apply_gradients(
-          t, tables[name], res, self._feature_args(name, grads), gate)
+          t, tables[name], residuals[name], self._feature_args(name, grads),
+          gate, clip)
     return tables, metrics
+
+
+def _norm_of_norms(norms: Sequence[jax.Array]) -> jax.Array:
+  """sqrt(sum of squares) of per-table norms, scaled by the largest so that
+  squaring cannot overflow float32."""
+  norms = jnp.stack(norms)
+  peak = jnp.max(norms)
+  safe = jnp.where(jnp.isfinite(peak) & (peak > 0), peak, 1.0)
+  return jnp.where(jnp.isfinite(peak),
+                   safe * jnp.sqrt(jnp.sum((norms / safe) ** 2)), peak)
 
 
 __all__ = ["Capacities", "ShardedEmbedding", "TableMetrics", "TableResiduals",

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_emb.inputs import Ragged, Weighted
+
 # Out of every table's range and not the padding id -1.
 INVALID_ID = -2
 
@@ -42,8 +44,9 @@ def int32_ids(x: Any) -> Any:
   """Ids of any integer dtype as int32; ids outside int32 -> `INVALID_ID`.
 
   Args:
-    x: an integer array of any shape (NumPy, or JAX, traced or not), or a
-      mapping of them (feature name -> ids; other values pass through).
+    x: an integer array of any shape (NumPy, or JAX, traced or not), a
+      `Weighted` or `Ragged` input (its ids are converted), or a mapping of
+      them (feature name -> ids; other values pass through).
       Arrays whose values all fit int32 keep them.
 
   Returns:
@@ -53,6 +56,8 @@ def int32_ids(x: Any) -> Any:
   """
   if isinstance(x, Mapping):
     return {k: int32_ids(v) for k, v in x.items()}
+  if isinstance(x, (Weighted, Ragged)):
+    return x._replace(ids=int32_ids(x.ids))
   dtype = np.dtype(getattr(x, "dtype", np.int32))
   if dtype == np.int32 or not np.issubdtype(dtype, np.integer):
     return x  # nothing to convert (non-integers are refused by validate)

@@ -98,31 +98,44 @@ def token_gradients(t: ShardedTable, res: TableResiduals,
 
 
 def _update(t: ShardedTable, state: TableState, res: TableResiduals, gate,
-            grads: tuple[jax.Array, ...], token_grads_of: Callable):
-  def fn(table, slots, step, res, gate, *grads):
+            grads: tuple[jax.Array, ...], token_grads_of: Callable,
+            clip=None):
+  def fn(table, slots, step, res, gate, clip, *grads):
     return shard_ops.update_shard(t, table, slots, step, res,
-                                  token_grads_of(res, grads), gate)
+                                  token_grads_of(res, grads), gate, clip)
 
   table, slots, step, metrics = per_device(
-      t, fn, [ROWS, ROWS, REPLICATED, ROWS, REPLICATED] + [ROWS] * len(grads),
-      (ROWS, ROWS, REPLICATED, REPLICATED))(
+      t, fn, [ROWS, ROWS, REPLICATED, ROWS, REPLICATED, REPLICATED]
+      + [ROWS] * len(grads), (ROWS, ROWS, REPLICATED, REPLICATED))(
           state.table, state.slots, state.step, res,
-          jnp.asarray(gate, jnp.bool_), *grads)
+          jnp.asarray(gate, jnp.bool_), clip, *grads)
   return TableState(table, slots, step), metrics
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
 def apply_gradients(t: ShardedTable, state: TableState, res: TableResiduals,
                     feature_grads: tuple[jax.Array, ...],
-                    gate) -> tuple[TableState, TableMetrics]:
+                    gate, clip=None) -> tuple[TableState, TableMetrics]:
   """The update from gradients w.r.t. the lookup's outputs (per feature).
 
   Expanding them to tokens happens inside the update: no token-sized array
-  exists between the two. `state` is donated.
+  exists between the two. `state` is donated. `clip`: None or (max_norm,
+  norm), see `shard_ops.update_shard`.
   """
   return _update(t, state, res, gate, feature_grads,
                  lambda res, grads: shard_ops.token_grads_shard(
-                     t, res.weights, grads))
+                     t, res.weights, grads), clip)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def grad_norm(t: ShardedTable, res: TableResiduals,
+              feature_grads: tuple[jax.Array, ...]) -> jax.Array:
+  """The () global norm of the summed row gradients the update would apply."""
+  def fn(res, *grads):
+    return shard_ops.grad_norm_shard(
+        t, res, shard_ops.token_grads_shard(t, res.weights, grads))
+  return per_device(t, fn, [ROWS] + [ROWS] * len(feature_grads), REPLICATED)(
+      res, *feature_grads)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)

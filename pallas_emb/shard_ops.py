@@ -5,7 +5,7 @@ device's blocks: its data shard's ids and gradients and its row shard of the
 table and slots. Each device is at once a source (of ids) and an owner (of
 rows). Top to bottom:
 
-    lookup:  dedup -> plan_route -> gather -> from_owners -> combine
+    lookup:  dedup -> plan_route -> gather -> from_owners -> pool
     update:  expand -> to_owners (segment sum, exchange, merge) -> norm and
              gate -> fused update
 
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from pallas_emb import kernels
+from pallas_emb import kernels, pooling
 from pallas_emb.capacity import Capacities
 from pallas_emb.kernels.backend import platform_of
 from pallas_emb.spec import FeatureSpec, TableSpec
@@ -73,15 +73,18 @@ class ShardedTable:
 
 # -- lookup -----------------------------------------------------------------------
 
-def _route(t: ShardedTable, ids: jax.Array) -> tuple[Unique, RoutePlan]:
-  """Dedup and routing of this device's (n,) ids.
+def _route(t: ShardedTable, blocks: Sequence) -> tuple[Unique, RoutePlan]:
+  """Dedup and routing of this device's ids of every feature of `t`.
 
   An id got a row iff `plan.token_slot >= 0`: it is in range, and was not
   dropped for unique or route capacity (an owner never drops one: its
-  capacity covers all it can receive).
+  capacity covers all it can receive). Ragged ids past a shard's capacity
+  count as unique-capacity overflow.
   """
   caps = t.capacities
-  unique = dedup(ids, t.layout, caps.unique, t.dedup_method)
+  ids, dropped = zip(*(pooling.token_ids(x) for x in blocks))
+  unique = dedup(jnp.concatenate(ids), t.layout, caps.unique, t.dedup_method)
+  unique = unique._replace(num_overflow=unique.num_overflow + sum(dropped))
   plan = plan_route(unique, rows_per_shard=t.layout.rows_per_shard,
                     num_shards=t.num_shards, route_capacity=caps.route,
                     owner_capacity=caps.owner, axis_name=t.axis,
@@ -100,51 +103,42 @@ def _residuals(unique: Unique, plan: RoutePlan, weights) -> TableResiduals:
       num_unique=unique.num_unique[None])
 
 
-def combine(rows: jax.Array, has_row: jax.Array, combiner):
-  """(b, L, D) rows and (b, L) validity -> (output, per-token weights).
-
-  Ids without a row contribute zero; "mean" and "sqrtn" count only the ids
-  that got a row.
-  """
-  weights = has_row.astype(jnp.float32)
-  if combiner is None:
-    return rows, weights
-  count = jnp.maximum(jnp.sum(weights, axis=1, keepdims=True), 1.0)
-  if combiner == "mean":
-    weights = weights / count
-  elif combiner == "sqrtn":
-    weights = weights * jax.lax.rsqrt(count)
-  return jnp.sum(rows * weights[..., None], axis=1), weights
+def _pool_all(t: ShardedTable, blocks: Sequence, rows: jax.Array,
+              has_row: jax.Array):
+  shapes = [pooling.token_shape(x) for x in blocks]
+  return zip(*(pooling.pool(x, r, v, f.combiner) for f, x, r, v in zip(
+      t.features, blocks, split_tokens(rows, shapes),
+      split_tokens(has_row, shapes))))
 
 
-def plan_shard(t: ShardedTable, feature_ids: Sequence[jax.Array]) -> TableResiduals:
+def plan_shard(t: ShardedTable, blocks: Sequence) -> TableResiduals:
   """The residuals of a lookup of this device's ids, reading no row.
 
   Args:
-    feature_ids: per feature of `t`, this device's (b, L) int32 ids.
+    blocks: per feature of `t`, this device's block of its input: (b, L)
+      int32 ids, or a `Weighted` or `Ragged` block (`pallas_emb.inputs`).
   """
-  unique, plan = _route(t, concat_tokens(feature_ids))
-  blocks = split_tokens(plan.token_slot >= 0, [x.shape for x in feature_ids])
-  weights = [combine(jnp.zeros(v.shape + (0,)), v, f.combiner)[1]
-             for f, v in zip(t.features, blocks)]
+  unique, plan = _route(t, blocks)
+  has_row = plan.token_slot >= 0
+  _, weights = _pool_all(t, blocks, jnp.zeros(has_row.shape + (0,)), has_row)
   return _residuals(unique, plan, weights)
 
 
-def lookup_shard(t: ShardedTable, table: jax.Array,
-                 feature_ids: Sequence[jax.Array]):
+def lookup_shard(t: ShardedTable, table: jax.Array, blocks: Sequence):
   """This device's embeddings of every feature of `t`.
 
   Args:
     table: (rows_per_shard, storage_width) this device's row shard.
-    feature_ids: per feature, this device's (b, L) int32 ids; -1 is
-      padding, other ids outside [0, num_rows) are invalid.
+    blocks: per feature, this device's block of its input (see
+      `plan_shard`); -1 is padding, other ids outside [0, num_rows) are
+      invalid.
 
   Returns:
     (outputs, residuals): per feature (b, dim) float32 (pooled) or
     (b, L, dim) (sequence), zero for ids without a row; this device's
     `TableResiduals`.
   """
-  unique, plan = _route(t, concat_tokens(feature_ids))
+  unique, plan = _route(t, blocks)
   # Owners read the rows of the slots they received (one read per source
   # that asked), and each id takes its slot's row.
   slot_rows = kernels.gather(table, plan.recv_rows, dtype=t.spec.dtype,
@@ -152,11 +146,7 @@ def lookup_shard(t: ShardedTable, table: jax.Array,
   rows = from_owners(plan, slot_rows, axis_name=t.axis,
                      take=lambda x, idx: kernels.gather(
                          x, idx, dtype=jnp.float32, backend=t.backend))
-  has_row = plan.token_slot >= 0
-  shapes = [x.shape for x in feature_ids]
-  outs, weights = zip(*(
-      combine(r, v, f.combiner) for f, r, v in zip(
-          t.features, split_tokens(rows, shapes), split_tokens(has_row, shapes))))
+  outs, weights = _pool_all(t, blocks, rows, plan.token_slot >= 0)
   return outs, _residuals(unique, plan, weights)
 
 
@@ -177,24 +167,19 @@ def empty_shard(t: ShardedTable, tokens_per_shard: int
 
 # -- update -----------------------------------------------------------------------
 
-def expand_grads(grads: jax.Array, weights: jax.Array, combiner) -> jax.Array:
-  """Gradient w.r.t. one feature's output -> (b, L, D) per-token gradient."""
-  grads = grads.astype(jnp.float32)
-  if combiner is None:
-    return grads
-  if combiner == "sum":
-    # The weights are 1 for every id that has a row and 0 for the others,
-    # whose inverse is -1 anyway: multiplying would only cost a token-sized
-    # temporary (on CPU, its page faults cost more than the whole segment sum).
-    return jnp.broadcast_to(grads[:, None, :], weights.shape + grads.shape[-1:])
-  return grads[:, None, :] * weights[..., None]
-
-
 def token_grads_shard(t: ShardedTable, weights: Sequence[jax.Array],
                       feature_grads: Sequence[jax.Array]) -> jax.Array:
   """This device's (n, D) per-token gradient, in its lookup's token order."""
-  return concat_tokens([expand_grads(g, w, f.combiner) for f, g, w in zip(
+  return concat_tokens([pooling.expand(g, w, f.combiner) for f, g, w in zip(
       t.features, feature_grads, weights)])
+
+
+def grad_norm_shard(t: ShardedTable, res: TableResiduals,
+                    token_grads: jax.Array) -> jax.Array:
+  """The table's global gradient norm alone (what `update_shard` reports as
+  `grad_norm`), for a clipping norm over several tables."""
+  return _global_norm(to_owners(res.plan, token_grads, axis_name=t.axis),
+                      t.axis)
 
 
 def _global_norm(x: jax.Array, axis: str) -> jax.Array:
@@ -217,7 +202,7 @@ def _global_norm(x: jax.Array, axis: str) -> jax.Array:
 
 
 def update_shard(t: ShardedTable, table, slots, step, res: TableResiduals,
-                 token_grads: jax.Array, gate: jax.Array):
+                 token_grads: jax.Array, gate: jax.Array, clip=None):
   """This device's sparse, fused update of its row shard.
 
   Args:
@@ -226,6 +211,11 @@ def update_shard(t: ShardedTable, table, slots, step, res: TableResiduals,
     res: this device's `TableResiduals`.
     token_grads: (n, dim) float32 gradient per token (already weighted).
     gate: bool scalar; False skips the update (e.g. an empty async update).
+    clip: None, or (max_norm, norm) float32 scalars of a clipping over
+      several tables: the gradients are scaled by max_norm / norm when norm
+      exceeds max_norm (and nothing is written if norm is not finite).
+      Without it the table's own `max_grad_norm` (if any) clips by its own
+      norm.
 
   Returns:
     (table, slots, step, TableMetrics): nothing is written, and the step
@@ -239,6 +229,13 @@ def update_shard(t: ShardedTable, table, slots, step, res: TableResiduals,
   pmax = lambda x: jax.lax.pmax(jnp.max(x), t.axis)
   unique_ids = psum(res.plan.num_owner_unique)
   apply = jnp.isfinite(norm) & gate & (unique_ids > 0)
+  if clip is None and t.spec.max_grad_norm is not None:
+    clip = (jnp.float32(t.spec.max_grad_norm), norm)
+  if clip is not None:
+    max_norm, clip_norm = clip
+    apply &= jnp.isfinite(clip_norm)
+    owner_grads = owner_grads * jnp.where(
+        clip_norm > max_norm, max_norm / jnp.where(apply, clip_norm, 1.0), 1.0)
   opt = t.spec.optimizer
   table, slots = kernels.fused_update(
       table, slots, res.plan.owner_rows, owner_grads, opt.scalars(step), apply,

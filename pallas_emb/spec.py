@@ -58,6 +58,12 @@ class TableSpec:
       per chip, not the chip count), else unique_capacity (exact). Extra ids
       are dropped and counted as overflow. Rounded up to a multiple of 8 and
       capped at the rows per shard.
+    max_grad_norm: None, or clip the table's summed row gradients to this
+      global L2 norm before the update: when the norm (over all rows and
+      devices, `TableMetrics.grad_norm`) exceeds it, every row gradient is
+      scaled by max_grad_norm / norm. A non-finite norm still skips the
+      update. For one norm over all tables, see
+      `ShardedEmbedding.apply_gradients(max_global_norm=...)`.
   """
 
   name: str
@@ -69,6 +75,7 @@ class TableSpec:
   layout: Literal["mod", "range"] = "mod"
   unique_capacity: int | None = None
   route_capacity: int | None = None
+  max_grad_norm: float | None = None
 
   def __post_init__(self):
     owner = f"TableSpec({self.name!r})"
@@ -103,6 +110,17 @@ class TableSpec:
     for field in ("unique_capacity", "route_capacity"):
       check_int(getattr(self, field), f"{owner}: {field}", error=SpecError,
                 optional=True, fix="None is the default (see TableSpec).")
+    check_max_norm(self.max_grad_norm, f"{owner}: max_grad_norm")
+
+
+def check_max_norm(value, name: str) -> None:
+  """A gradient-clipping norm is None or a finite float > 0."""
+  if value is None:
+    return
+  if (isinstance(value, bool) or not isinstance(value, (int, float))
+      or not np.isfinite(value) or value <= 0):
+    raise SpecError(f"{name} must be None or a finite number > 0, got "
+                    f"{value!r}; None turns clipping off.")
 
 
 @dataclasses.dataclass(frozen=True)

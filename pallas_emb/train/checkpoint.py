@@ -36,6 +36,7 @@ from pallas_emb import async_emb, programs, tokens
 from pallas_emb import state as state_lib
 from pallas_emb.errors import (
     CheckpointCorruptError, CheckpointError, CheckpointMismatchError)
+from pallas_emb.inputs import token_shape
 from pallas_emb.state import TableState
 from pallas_emb.train.checkpoint_dir import CheckpointDir, StepUnreadable
 from pallas_emb.train.step import Trainer, TrainState
@@ -330,7 +331,7 @@ class Checkpointer:
             f"{opt['optimizer']} (slots {opt['slots']}); resume with the "
             "optimizer the checkpoint was written with, or use a new "
             "checkpoint directory.")
-    shapes = {k: list(np.shape(v)) for k, v in sorted(batch["ids"].items())}
+    shapes = {k: list(token_shape(v)) for k, v in sorted(batch["ids"].items())}
     if any(shapes.get(k) != v for k, v in meta["batch_shapes"].items()):
       raise CheckpointMismatchError(
           f"{where} was written for batches of ids shaped "
