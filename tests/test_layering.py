@@ -10,17 +10,20 @@ import pytest
 # Module -> the pallas_emb modules (prefixes) it may load. `pallas_emb` is
 # the package itself, whose __init__ loads its public names lazily.
 LEAVES = ("pallas_emb", "pallas_emb.errors", "pallas_emb.packing")
+INPUTS = ("pallas_emb", "pallas_emb.errors", "pallas_emb.inputs")
 KERNELS = LEAVES + ("pallas_emb.kernels",)
 OPTIMIZERS = LEAVES + ("pallas_emb.optimizers",)
 SPARSE = KERNELS + OPTIMIZERS + (
     "pallas_emb.spec", "pallas_emb.capacity", "pallas_emb.state",
     "pallas_emb.tokens", "pallas_emb.shard_ops", "pallas_emb.programs",
-    "pallas_emb.validate", "pallas_emb.ids", "pallas_emb.embedding")
+    "pallas_emb.validate", "pallas_emb.ids", "pallas_emb.inputs",
+    "pallas_emb.pooling", "pallas_emb.embedding")
 ALLOWED = {
     "sharding": (),
     "pallas_emb.errors": ("pallas_emb", "pallas_emb.errors"),
     "pallas_emb.packing": ("pallas_emb", "pallas_emb.packing"),
-    "pallas_emb.ids": ("pallas_emb", "pallas_emb.ids"),
+    "pallas_emb.inputs": INPUTS,
+    "pallas_emb.ids": INPUTS + ("pallas_emb.ids",),
     "pallas_emb.hashing": ("pallas_emb", "pallas_emb.errors", "pallas_emb.hashing"),
     "pallas_emb.kernels": KERNELS,
     "pallas_emb.kernels.xla": KERNELS,

@@ -6,7 +6,7 @@ subprocess (`python -m pallas_emb.pod_check`) without network access
 asks for them, and the tests read their reports:
 
 * the main job's async step compiles with the Mosaic kernels for v5e, v6e
-  and v5p;
+  and v5p, and with FTRL on v5e;
 * W-TPU (one 1M-row table, D=128 f32, `item` + 20-id `history`, 4,096
   examples per chip on v5e:2x2) fits in twice its working set, copies no
   table or slot, and its update's all-to-all overlaps the dense compute;
@@ -53,6 +53,8 @@ COMPILES = {
                     "--vocab=10000000", "--examples_per_chip=1024"],
     "more_chips": ["--topology=v5e:4x4", "--workload=w_tpu",
                    "--vocab=4000000", "--examples_per_chip=1024"],
+    "ftrl": ["--topology=v5e:2x2", "--workload=main", "--dim=128",
+             "--examples_per_chip=128", "--optimizer=ftrl"],
 }
 
 
@@ -94,6 +96,15 @@ def test_main_job_async_step_compiles_for_v5e_v6e_v5p(reports):
     for name in ("user", "item"):
       table = r["tables"][name]
       assert not table["copies"] and not table["prefetches"], (name, table)
+
+
+def test_ftrl_step_compiles_with_every_table_in_the_kernels(reports):
+  [r] = reports["ftrl"]
+  # FTRL keeps two full-width slots, no per-row scalar: all three tables,
+  # the 64-row one included, gather and update in Mosaic kernels.
+  assert r["backend"] == "pallas" and r["kernel_calls"] == 9, r
+  for name, table in r["tables"].items():
+    assert not table["copies"] and not table["prefetches"], (name, table)
 
 
 def test_w_tpu_fits_twice_its_working_set_and_copies_no_table_or_slot(reports):

@@ -37,6 +37,8 @@ def _parse(argv):
   p.add_argument("--dim", type=int, default=None,
                  help="table width (default: 128 for w_tpu, 16 for main)")
   p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  p.add_argument("--optimizer", default="rowwise_adagrad", choices=sorted(OPTIMIZERS),
+                 help="the embedding optimizer of every table")
   p.add_argument("--examples_per_chip", type=int, default=4096)
   p.add_argument("--unique_capacity", type=int, default=None)
   p.add_argument("--route_capacity", type=int, default=None)
@@ -51,6 +53,17 @@ def _parse(argv):
     if value is not None and value < 1:
       p.error(f"--{name} must be a positive int, got {value}")
   return args
+
+
+# Name -> an optimizer with the main job's default learning rate (the rate
+# does not change what compiles).
+OPTIMIZERS = {
+    "sgd": lambda pe: pe.SGD(0.05),
+    "adagrad": lambda pe: pe.Adagrad(0.05),
+    "rowwise_adagrad": lambda pe: pe.RowWiseAdagrad(0.05, half_life_steps=None),
+    "lazy_adam": lambda pe: pe.LazyAdam(0.005),
+    "ftrl": lambda pe: pe.FTRL(5.0),
+}
 
 
 def _row(r: dict) -> str:
@@ -77,7 +90,9 @@ def main(argv=None) -> int:
   from pallas_emb.pod_check import compile as compile_lib  # pylint: disable=g-import-not-at-top
   caps = {k: v for k, v in (("unique_capacity", args.unique_capacity),
                             ("route_capacity", args.route_capacity)) if v}
-  kw = dict(dtype=jnp.dtype(args.dtype), examples_per_chip=args.examples_per_chip)
+  import pallas_emb as pe  # pylint: disable=g-import-not-at-top
+  kw = dict(dtype=jnp.dtype(args.dtype), examples_per_chip=args.examples_per_chip,
+            optimizer=OPTIMIZERS[args.optimizer](pe))
   if args.workload == "w_tpu":
     workload = compile_lib.w_tpu(args.vocab, args.dim or 128, **kw)
   else:
