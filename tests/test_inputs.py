@@ -268,3 +268,39 @@ def test_global_clipping_uses_one_norm_over_all_tables():
   clipped, _ = deltas(max_global_norm=total / 2)
   for n in start:
     np.testing.assert_allclose(clipped[n], full[n] / 2, rtol=1e-5, atol=1e-6)
+
+
+def test_async_trainer_takes_ragged_bags_like_padded_ones():
+  # The async pipeline: contexts sized from a ragged batch, pending updates
+  # of ragged tokens (the sync one is the embedding API tested above).
+  import optax
+  from pallas_emb import data as data_lib
+  from pallas_emb.data.feed import GlobalBatches
+  from pallas_emb.model import build_ranking
+  dataset = data_lib.SyntheticClickLog(num_users=300, num_items=200, eval_examples=64)
+  emb, model = build_ranking(dataset, make_mesh(4), emb_dim=8, backend="xla",
+                             optimizer=pe.RowWiseAdagrad(0.05))
+  feed = GlobalBatches(dataset, 32, emb.sharding())
+  config = pe.TrainConfig(use_async_emb=True)
+
+  def batches(ragged):
+    out = []
+    for i in range(3):
+      host = dataset.train_batch(i, 32)
+      if ragged:
+        h = host["ids"]["history"]
+        host["ids"]["history"] = pe.ragged([r[r >= 0] for r in h], num_shards=4,
+                                           capacity=8 * 8)
+      out.append(feed.put(host))
+    return out
+
+  losses = {}
+  for ragged in (False, True):
+    bs = batches(ragged)
+    tr = pe.make_trainer(emb, model.loss, optax.adam(1e-3), config, bs[0])
+    state = tr.init(model.init(jax.random.key(1)), emb.init(jax.random.key(0)), bs[0])
+    losses[ragged] = []
+    for i in range(2):
+      state, m = tr.step(state, bs[i], bs[i + 1])
+      losses[ragged].append(float(m["loss"]))
+  np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)

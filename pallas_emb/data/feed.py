@@ -29,8 +29,6 @@ class GlobalBatches:
     if batch_size % n:
       raise DataError(f"batch size {batch_size} must be a multiple of the {n} "
                       "processes: each feeds an equal slice.")
-    self.lo = jax.process_index() * batch_size // n
-    self.hi = self.lo + batch_size // n
 
   def put(self, batch: dict) -> dict:
     """A host batch (global rows) -> global arrays (this process's slice).
@@ -40,13 +38,18 @@ class GlobalBatches:
     """
     batch = {k: v for k, v in batch.items() if k != "true_logit"}
     if "ids" in batch:
-      batch["ids"] = int32_ids({k: np.asarray(v)
+      batch["ids"] = int32_ids({k: jax.tree.map(np.asarray, v)
                                 for k, v in batch["ids"].items()})
 
+    n, p = jax.process_count(), jax.process_index()
+
     def one(x):
+      # This process's equal share of the leading axis: its examples, or,
+      # for ragged ids (S * C slots), its data shards' slots.
       x = np.asarray(x)
+      lo = x.shape[0] * p // n
       return jax.make_array_from_process_local_data(
-          self.sharding, x[self.lo:self.hi], x.shape)
+          self.sharding, x[lo:lo + x.shape[0] // n], x.shape)
 
     return jax.tree.map(one, batch)
 
