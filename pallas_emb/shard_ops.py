@@ -185,20 +185,28 @@ def grad_norm_shard(t: ShardedTable, res: TableResiduals,
 def _global_norm(x: jax.Array, axis: str) -> jax.Array:
   """The L2 norm of `x` over all devices of `axis`, without overflow.
 
-  Squaring first overflows float32 once the norm passes ~1.8e19 although
-  every element is finite, so the elements are first divided by the
-  largest power of two <= the global max |x| (exact: it only moves
-  exponents). A non-finite element still gives a non-finite norm.
+  One pass squares and sums. Squaring overflows float32 once the norm
+  passes ~1.8e19 although every element is finite (and underflows for
+  norms below ~1e-19), so only then, decided on the replicated sum (every
+  device takes the same branch), a second computation first divides the
+  elements by the largest power of two <= the global max |x| (exact: it only
+  moves exponents). A non-finite element still gives a non-finite norm.
   """
-  peak = jax.lax.pmax(jnp.max(jnp.abs(x), initial=0.0), axis)
-  # That power of two is the exponent bits of `peak` alone: exact, unlike
-  # float32 exp2/log2, which flush to zero near the smallest normal.
-  scale = jax.lax.bitcast_convert_type(
-      jax.lax.bitcast_convert_type(peak, jnp.uint32) & jnp.uint32(0x7F800000),
-      jnp.float32)
-  scale = jnp.where(jnp.isfinite(peak) & (scale > 0), scale, 1.0)
-  scaled = x / scale
-  return scale * jnp.sqrt(jax.lax.psum(jnp.sum(scaled * scaled), axis))
+  sq = jax.lax.psum(jnp.sum(x * x), axis)
+
+  def rescaled():
+    peak = jax.lax.pmax(jnp.max(jnp.abs(x), initial=0.0), axis)
+    # That power of two is the exponent bits of `peak` alone: exact, unlike
+    # float32 exp2/log2, which flush to zero near the smallest normal.
+    scale = jax.lax.bitcast_convert_type(
+        jax.lax.bitcast_convert_type(peak, jnp.uint32)
+        & jnp.uint32(0x7F800000), jnp.float32)
+    scale = jnp.where(jnp.isfinite(peak) & (scale > 0), scale, 1.0)
+    scaled = x / scale
+    return scale * jnp.sqrt(jax.lax.psum(jnp.sum(scaled * scaled), axis))
+
+  safe = jnp.isfinite(sq) & (sq > 2.0 ** -60)
+  return jax.lax.cond(safe, lambda: jnp.sqrt(sq), rescaled)
 
 
 def update_shard(t: ShardedTable, table, slots, step, res: TableResiduals,
