@@ -63,10 +63,14 @@ def per_device(t: ShardedTable, fn: Callable, in_specs: Sequence[str],
 
 @functools.partial(jax.jit, static_argnums=0)
 def init(t: ShardedTable, key: jax.Array) -> TableState:
-  """The initial state of `t`; each device generates only its rows."""
+  """The initial state of `t`; each device generates only its rows.
+
+  `key`: a PRNG key, or of a stack one per member, (M,) (see `init_shard`).
+  """
 
   def fn(k):
-    return init_shard(t.spec, t.layout, k, jax.lax.axis_index(t.axis))
+    return init_shard(t.spec, t.layout, k, jax.lax.axis_index(t.axis),
+                      t.members)
 
   table, slots = per_device(t, fn, [REPLICATED], ROWS)(key)
   return TableState(table, slots, jnp.zeros((), jnp.int32))

@@ -22,9 +22,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from pallas_emb import kernels
+from pallas_emb import kernels, members as members_lib
 from pallas_emb.capacity import Capacities
 from pallas_emb.kernels.backend import platform_of
+from pallas_emb.members import Members
 from pallas_emb.spec import FeatureSpec, TableSpec
 from pallas_emb.state import TableMetrics, TableResiduals
 from pallas_emb.tokens import concat_tokens, split_tokens
@@ -46,6 +47,9 @@ class ShardedTable:
     mesh: the device mesh.
     axis: the mesh axis rows and data are sharded over.
     backend: "pallas", "interpret" or "xla".
+    members: the member tables when this is a stack of several (see
+      `pallas_emb.members`): then the counts of `TableResiduals` and every
+      field of `TableMetrics` are per member, (M,).
   """
 
   spec: TableSpec
@@ -55,6 +59,7 @@ class ShardedTable:
   mesh: Mesh
   axis: str
   backend: str
+  members: Members | None = None
 
   @property
   def name(self) -> str:
@@ -89,9 +94,18 @@ def _route(t: ShardedTable, ids: jax.Array) -> tuple[Unique, RoutePlan]:
   return unique, plan
 
 
-def _residuals(unique: Unique, plan: RoutePlan, weights) -> TableResiduals:
-  # Per-device scalars get a leading axis, so that shard_map concatenates
-  # them into (S,) arrays.
+def _residuals(unique: Unique, plan: RoutePlan, weights,
+               counts=None) -> TableResiduals:
+  """`counts`: per-member (invalid, unique, overflow, route demand) of a
+  stacked table, which replace the scalars."""
+  if counts is not None:
+    invalid, num_unique, overflow, demand = counts
+    unique = unique._replace(num_invalid=invalid, num_unique=num_unique,
+                             num_overflow=overflow)
+    plan = plan._replace(route_demand=demand,
+                         num_overflow=jnp.zeros_like(overflow))
+  # Per-device values get a leading axis, so that shard_map concatenates
+  # them into (S,) (or (S, M)) arrays.
   return TableResiduals(
       weights=tuple(weights),
       plan=plan._replace(**{f: getattr(plan, f)[None] for f in PLAN_SCALARS}),
@@ -117,17 +131,33 @@ def combine(rows: jax.Array, has_row: jax.Array, combiner):
   return jnp.sum(rows * weights[..., None], axis=1), weights
 
 
+def _stacked_ids(t: ShardedTable, feature_ids):
+  """A stack's member ids offset into its rows, and their invalid counts."""
+  if t.members is None:
+    return feature_ids, None
+  return members_lib.remap_ids(t.members, feature_ids)
+
+
+def _member_counts(t: ShardedTable, invalid, unique, plan):
+  if t.members is None:
+    return None
+  return (invalid,) + members_lib.source_counts(t.members, t.layout, unique,
+                                                plan)
+
+
 def plan_shard(t: ShardedTable, feature_ids: Sequence[jax.Array]) -> TableResiduals:
   """The residuals of a lookup of this device's ids, reading no row.
 
   Args:
     feature_ids: per feature of `t`, this device's (b, L) int32 ids.
   """
+  feature_ids, invalid = _stacked_ids(t, feature_ids)
   unique, plan = _route(t, concat_tokens(feature_ids))
   blocks = split_tokens(plan.token_slot >= 0, [x.shape for x in feature_ids])
   weights = [combine(jnp.zeros(v.shape + (0,)), v, f.combiner)[1]
              for f, v in zip(t.features, blocks)]
-  return _residuals(unique, plan, weights)
+  return _residuals(unique, plan, weights,
+                    _member_counts(t, invalid, unique, plan))
 
 
 def lookup_shard(t: ShardedTable, table: jax.Array,
@@ -144,6 +174,7 @@ def lookup_shard(t: ShardedTable, table: jax.Array,
     (b, L, dim) (sequence), zero for ids without a row; this device's
     `TableResiduals`.
   """
+  feature_ids, invalid = _stacked_ids(t, feature_ids)
   unique, plan = _route(t, concat_tokens(feature_ids))
   # Owners read the rows of the slots they received (one read per source
   # that asked), and each id takes its slot's row.
@@ -157,7 +188,8 @@ def lookup_shard(t: ShardedTable, table: jax.Array,
   outs, weights = zip(*(
       combine(r, v, f.combiner) for f, r, v in zip(
           t.features, split_tokens(rows, shapes), split_tokens(has_row, shapes))))
-  return outs, _residuals(unique, plan, weights)
+  return outs, _residuals(unique, plan, weights,
+                         _member_counts(t, invalid, unique, plan))
 
 
 def empty_shard(t: ShardedTable, tokens_per_shard: int
@@ -172,7 +204,10 @@ def empty_shard(t: ShardedTable, tokens_per_shard: int
   plan = empty_plan(num_ids=tokens_per_shard, num_shards=t.num_shards,
                     route_capacity=caps.route, owner_capacity=caps.owner)
   grads = jnp.zeros((tokens_per_shard, t.spec.dim), jnp.float32)
-  return _residuals(unique, plan, ()), grads
+  counts = None
+  if t.members is not None:
+    counts = (jnp.zeros((t.members.count,), jnp.int32),) * 4
+  return _residuals(unique, plan, (), counts), grads
 
 
 # -- update -----------------------------------------------------------------------
@@ -206,12 +241,7 @@ def _global_norm(x: jax.Array, axis: str) -> jax.Array:
   exponents). A non-finite element still gives a non-finite norm.
   """
   peak = jax.lax.pmax(jnp.max(jnp.abs(x), initial=0.0), axis)
-  # That power of two is the exponent bits of `peak` alone: exact, unlike
-  # float32 exp2/log2, which flush to zero near the smallest normal.
-  scale = jax.lax.bitcast_convert_type(
-      jax.lax.bitcast_convert_type(peak, jnp.uint32) & jnp.uint32(0x7F800000),
-      jnp.float32)
-  scale = jnp.where(jnp.isfinite(peak) & (scale > 0), scale, 1.0)
+  scale = members_lib.pow2_floor(peak)
   scaled = x / scale
   return scale * jnp.sqrt(jax.lax.psum(jnp.sum(scaled * scaled), axis))
 
@@ -231,17 +261,34 @@ def update_shard(t: ShardedTable, table, slots, step, res: TableResiduals,
     (table, slots, step, TableMetrics): nothing is written, and the step
     does not advance, unless the global gradient norm is finite, `gate` is
     True and some id has a row (an update with no rows, e.g. a batch of
-    padding, is nothing to apply).
+    padding, is nothing to apply). Of a stack, each member is gated alone
+    (its metrics are (M,)); the stack's one step advances when any member
+    is applied.
   """
   owner_grads = to_owners(res.plan, token_grads, axis_name=t.axis)
-  norm = _global_norm(owner_grads, t.axis)
-  psum = lambda x: jax.lax.psum(jnp.sum(x), t.axis)
-  pmax = lambda x: jax.lax.pmax(jnp.max(x), t.axis)
-  unique_ids = psum(res.plan.num_owner_unique)
-  apply = jnp.isfinite(norm) & gate & (unique_ids > 0)
+  # Per-device counts arrive as (1,) or, per member, (1, M).
+  psum = lambda x: jax.lax.psum(jnp.sum(x, axis=0), t.axis)
+  pmax = lambda x: jax.lax.pmax(jnp.max(x, axis=0), t.axis)
+  rows, owner_demand = res.plan.owner_rows, res.plan.owner_demand
+  if t.members is None:
+    norm = _global_norm(owner_grads, t.axis)
+    unique_ids = psum(res.plan.num_owner_unique)
+    apply = jnp.isfinite(norm) & gate & (unique_ids > 0)
+    write = apply
+  else:
+    n = t.members.count
+    member = members_lib.member_of_local(t.members, t.layout, rows,
+                                         jax.lax.axis_index(t.axis))
+    owner_demand = members_lib.count(member, n)[None]
+    norm = members_lib.global_norms(owner_grads, member, n, t.axis)
+    unique_ids = psum(owner_demand)
+    apply = jnp.isfinite(norm) & gate & (unique_ids > 0)
+    rows, owner_grads = members_lib.keep_rows(
+        rows, owner_grads, jnp.concatenate([apply, jnp.zeros((1,), bool)])[member])
+    write = jnp.any(apply)
   opt = t.spec.optimizer
   table, slots = kernels.fused_update(
-      table, slots, res.plan.owner_rows, owner_grads, opt.scalars(step), apply,
+      table, slots, rows, owner_grads, opt.scalars(step), write,
       optimizer=opt, dtype=t.spec.dtype,
       backend=t.backend if opt.runs_in_kernel else "xla")
   metrics = TableMetrics(
@@ -251,5 +298,5 @@ def update_shard(t: ShardedTable, table, slots, step, res: TableResiduals,
       grad_norm=norm, applied=apply,
       max_unique_per_shard=pmax(res.num_unique),
       max_ids_per_route=pmax(res.plan.route_demand),
-      max_rows_per_owner=pmax(res.plan.owner_demand))
-  return table, slots, step + apply.astype(jnp.int32), metrics
+      max_rows_per_owner=pmax(owner_demand))
+  return table, slots, step + write.astype(jnp.int32), metrics
