@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from pallas_emb.errors import SpecError
-from pallas_emb.members import Members, member_of
+from pallas_emb.members import Members
 from pallas_emb.spec import FeatureSpec, TableSpec
 from pallas_emb.state import TableState
 from sharding.layout import RowLayout, round_up
@@ -209,7 +209,10 @@ def _group_source(group: Group, num_shards: int) -> np.ndarray:
   mlayouts = [_member_layout(t, num_shards) for t in group.tables]
   base = np.cumsum([0] + [m.num_physical_rows for m in mlayouts])
   rows = glayout.logical_of(np.arange(glayout.num_physical_rows))
-  member = np.asarray(member_of(group.members, rows))
+  starts = np.asarray(group.members.starts)
+  at = np.maximum(np.searchsorted(starts, rows, side="right") - 1, 0)
+  member = np.where((rows >= 0) & (rows >= starts[at]) & (
+      rows < starts[at] + np.asarray(group.members.sizes)[at]), at, -1)
   src = np.full(rows.shape, -1, np.int64)
   for i, m in enumerate(mlayouts):
     at = member == i

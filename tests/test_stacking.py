@@ -1,0 +1,166 @@
+"""Table stacking: tables stored and updated as one equal the tables alone."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import pallas_emb as pe
+from conftest import make_mesh
+from pallas_emb import stacking
+
+D = 8
+
+
+def _tables(opt):
+  # a, b, c stack (equal dim and optimizer); d has another dim and stays alone.
+  return [pe.TableSpec("a", 37, D, optimizer=opt), pe.TableSpec("b", 50, D, optimizer=opt),
+          pe.TableSpec("c", 20, D, optimizer=opt), pe.TableSpec("d", 30, 4, optimizer=opt)]
+
+
+FEATURES = [pe.FeatureSpec("fa", "a"), pe.FeatureSpec("fb", "b", None),
+            pe.FeatureSpec("fc", "c"), pe.FeatureSpec("fa2", "a", None),
+            pe.FeatureSpec("fd", "d")]
+
+
+def _emb(opt, n, stacking_mode):
+  return pe.ShardedEmbedding(_tables(opt), FEATURES, make_mesh(n), "x", "xla",
+                             stacking=stacking_mode)
+
+
+def _dyadic(rng, shape):
+  return (rng.integers(-8, 9, shape) / 8).astype(np.float32)
+
+
+def _ids(rng, batch=24):
+  # Some padding (-1) and ids past every table's end (invalid).
+  return {f.name: rng.integers(-1, 60, (batch, 2)).astype(np.int32) for f in FEATURES}
+
+
+def _run(emb, steps=3, nan_step=2):
+  rng = np.random.default_rng(0)
+  state = emb.init(jax.random.key(3))
+  log = []
+  for s in range(steps):
+    ids = _ids(rng)
+    acts, res = emb.lookup(state, ids)
+    grads = {k: _dyadic(rng, v.shape) for k, v in acts.items()}
+    if s == nan_step:  # a non-finite gradient in c alone
+      ids_c = ids["fc"]
+      row = int(np.nonzero(((ids_c >= 0) & (ids_c < 20)).any(axis=1))[0][0])
+      grads["fc"][row, 0] = np.nan
+    state, metrics = emb.apply_gradients(state, res, grads)
+    log.append(({k: np.asarray(v) for k, v in acts.items()},
+                jax.tree.map(np.asarray, {k: m._asdict() for k, m in metrics.items()})))
+  return state, log
+
+
+def _assert_same(e0, s0, e1, s1, names):
+  for t in names:
+    np.testing.assert_array_equal(e0.logical_table(s0, t), e1.logical_table(s1, t))
+    slots0, slots1 = e0.logical_slots(s0, t), e1.logical_slots(s1, t)
+    assert slots0.keys() == slots1.keys()
+    for k in slots0:
+      np.testing.assert_array_equal(slots0[k], slots1[k])
+
+
+def _assert_metrics_equal(m0, m1):
+  assert m0.keys() == m1.keys()
+  for t in m0:
+    for k in m0[t]:
+      np.testing.assert_array_equal(m0[t][k], m1[t][k], err_msg=f"{t}.{k}")
+
+
+OPTIMIZERS = [(pe.SGD(0.5), 1), (pe.Adagrad(0.25), 6),
+              (pe.RowWiseAdagrad(0.1, half_life_steps=3.0, lazy_decay=True), 8),
+              (pe.LazyAdam(0.05), 8), (pe.FTRL(0.1, l1=0.01, l2=0.01), 6)]
+
+
+@pytest.mark.parametrize("opt,n", OPTIMIZERS, ids=lambda x: getattr(type(x), "__name__", str(x)))
+def test_stacked_equals_unstacked_bit_for_bit(opt, n):
+  off, auto = _emb(opt, n, "off"), _emb(opt, n, "auto")
+  assert off.table_names == ("a", "b", "c", "d")
+  assert auto.table_names == ("a+b+c", "d")
+  s0, log0 = _run(off)
+  s1, log1 = _run(auto)
+  _assert_same(off, s0, auto, s1, "abcd")
+  for (a0, m0), (a1, m1) in zip(log0, log1):
+    assert a0.keys() == a1.keys()
+    for k in a0:
+      np.testing.assert_array_equal(a0[k], a1[k])
+    _assert_metrics_equal(m0, m1)
+  # The non-finite gradient skipped c alone; its neighbours were applied.
+  last = log1[-1][1]
+  assert not last["c"]["applied"] and not np.isfinite(last["c"]["grad_norm"])
+  assert all(last[t]["applied"] for t in "abd")
+  assert all(last[t]["invalid_ids"] > 0 and last[t]["unique_ids"] > 0 for t in "abcd")
+
+
+def test_offsets_rotate_row_zero_over_the_shards():
+  tables = [pe.TableSpec(n, r, D) for n, r in (("a", 10), ("b", 7), ("c", 16), ("d", 3))]
+  starts = stacking.offsets(tables, 4)
+  assert starts == (0, 13, 22, 43)
+  assert [s % 4 for s in starts] == [0, 1, 2, 3]
+  assert all(s >= e for s, e in zip(starts[1:], np.add(starts, [10, 7, 16, 3])))
+  ranged = [pe.TableSpec(t.name, t.num_rows, D, layout="range") for t in tables]
+  assert stacking.offsets(ranged, 4) == (0, 10, 17, 33)
+
+
+def test_stacking_by_hand_and_its_errors():
+  tables = _tables(pe.SGD(0.5))
+  mesh = make_mesh(2)
+  emb = pe.ShardedEmbedding(tables, FEATURES, mesh, "x", "xla", stacking={"ac": ["c", "a"]})
+  assert emb.table_names == ("ac", "b", "d")
+  assert [t.name for t in emb.group_of("c").tables] == ["a", "c"]
+  assert [f.name for f in emb.features_of("ac")] == ["fa", "fa2", "fc"]
+  for bad, words in (({"g": ["a", "d"]}, "cannot share"), ({"g": ["a", "x"]}, "'x'"),
+                     ({"g": ["a"], "h": ["a", "b"]}, "two groups"), ("sometimes", "stacking must"),
+                     ({"a": ["b", "c"]}, "table's name")):
+    with pytest.raises(pe.SpecError, match=words):
+      pe.ShardedEmbedding(tables, FEATURES, mesh, "x", "xla", stacking=bad)
+
+
+def test_init_and_member_states_round_trip():
+  emb = _emb(pe.Adagrad(0.1), 6, "auto")
+  off = emb.unstacked()
+  state = emb.init(jax.random.key(1))
+  alone = off.init(jax.random.key(1))
+  _assert_same(emb, state, off, alone, "abcd")
+  back = emb.from_member_states(off.member_states(alone))
+  _assert_same(emb, back, off, alone, "abcd")
+
+
+def _trainer(emb, use_async, batch):
+  w = {f.name: jnp.asarray((np.arange(D if f.table != "d" else 4) % 5 - 2) / 4, jnp.float32)
+       for f in FEATURES}
+
+  def loss_fn(params, acts, batch):
+    del batch
+    total = sum(jnp.sum(acts[k] * w[k]) for k in acts) * params["s"]
+    return total, {}
+
+  tr = pe.make_trainer(emb, loss_fn, optax.sgd(0.0), pe.TrainConfig(use_async_emb=use_async),
+                       batch)
+  return tr, {"s": jnp.ones((), jnp.float32)}
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_trainer_stacked_equals_unstacked(use_async):
+  rng = np.random.default_rng(5)
+  batches = [{"ids": _ids(rng)} for _ in range(4)]
+  results = []
+  for mode in ("off", "auto"):
+    emb = _emb(pe.RowWiseAdagrad(0.1, half_life_steps=None), 8, mode)
+    put = lambda b: {"ids": {k: jax.device_put(v, emb.sharding()) for k, v in b["ids"].items()}}
+    tr, params = _trainer(emb, use_async, put(batches[0]))
+    state = tr.init(params, emb.init(jax.random.key(0)), put(batches[0]))
+    log = []
+    for i in range(3):
+      state, m = tr.step(state, put(batches[i]), put(batches[i + 1]))
+      log.append(jax.tree.map(np.asarray, m["emb"]))
+    results.append((emb, state, log))
+  (e0, s0, l0), (e1, s1, l1) = results
+  _assert_same(e0, s0.tables, e1, s1.tables, "abcd")
+  for m0, m1 in zip(l0, l1):
+    _assert_metrics_equal(m0, m1)
