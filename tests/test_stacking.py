@@ -9,6 +9,7 @@ import pytest
 import pallas_emb as pe
 from conftest import make_mesh
 from pallas_emb import stacking
+from pallas_emb.train.checkpoint import Checkpointer
 
 D = 8
 
@@ -147,22 +148,39 @@ def _trainer(emb, use_async, batch):
 
 
 @pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
-def test_trainer_stacked_equals_unstacked(use_async):
+def test_trainer_stacked_equals_unstacked_and_checkpoints_cross_over(use_async, tmp_path):
+  """Both pipelines give the same tables and metrics stacked or not; a
+  checkpoint of either restores into the other (async: the pending update
+  too) and the runs continue identically."""
   rng = np.random.default_rng(5)
-  batches = None
-  results = []
+  runs = {}
   for mode in ("off", "auto"):
     emb = _emb(pe.RowWiseAdagrad(0.1, half_life_steps=None), 4, mode)
-    batches = batches or [{"ids": _ids(rng, emb)} for _ in range(3)]
-    put = lambda b: {"ids": {k: jax.device_put(v, emb.sharding()) for k, v in b["ids"].items()}}
+    put = lambda b, emb=emb: {"ids": {k: jax.device_put(v, emb.sharding())
+                                      for k, v in b["ids"].items()}}
+    batches = runs["off"]["batches"] if runs else [{"ids": _ids(rng, emb)} for _ in range(4)]
     tr, params = _trainer(emb, use_async, put(batches[0]))
+    template = tr.init(params, emb.init(jax.random.key(0)), put(batches[0]))
     state = tr.init(params, emb.init(jax.random.key(0)), put(batches[0]))
     log = []
     for i in range(2):
       state, m = tr.step(state, put(batches[i]), put(batches[i + 1]))
       log.append(jax.tree.map(np.asarray, m["emb"]))
-    results.append((emb, state, log))
-  (e0, s0, l0), (e1, s1, l1) = results
-  _assert_same(e0, s0.tables, e1, s1.tables, [t.name for t in e0.tables])
-  for m0, m1 in zip(l0, l1):
+    ckpt = Checkpointer(str(tmp_path / mode), tr)
+    ckpt.save(state, {k: v.shape for k, v in batches[0]["ids"].items()})
+    runs[mode] = dict(emb=emb, tr=tr, state=state, log=log, put=put, batches=batches,
+                      template=template, ckpt=ckpt)
+  off, auto = runs["off"], runs["auto"]
+  _assert_same(off["emb"], off["state"].tables, auto["emb"], auto["state"].tables, "ac")
+  for m0, m1 in zip(off["log"], auto["log"]):
     _assert_metrics_equal(m0, m1)
+  # Each trainer restores the other's checkpoint and takes the third step.
+  for mine, other in ((off, auto), (auto, off)):
+    ckpt = Checkpointer(other["ckpt"].directory, mine["tr"])
+    restored = ckpt.restore(mine["template"], lambda i: mine["put"](mine["batches"][i]))
+    _assert_same(mine["emb"], restored.tables, other["emb"], other["state"].tables, "ac")
+    mine["next"] = mine["tr"].step(restored, mine["put"](mine["batches"][2]),
+                                   mine["put"](mine["batches"][3]))
+  _assert_same(off["emb"], off["next"][0].tables, auto["emb"], auto["next"][0].tables, "ac")
+  _assert_metrics_equal(jax.tree.map(np.asarray, off["next"][1]["emb"]),
+                        jax.tree.map(np.asarray, auto["next"][1]["emb"]))
