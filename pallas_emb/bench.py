@@ -307,47 +307,6 @@ def run_pipelines(steps: int, num_devices: int, batch_size: int) -> dict:
           for name, run in runs.items()}
 
 
-def run_dlrm_stacking(steps: int, num_devices: int, batch_size: int,
-                      max_rows: int, warmup: int = 2) -> dict:
-  """Median step time of the DLRM-shaped main job (async pipeline) with
-  stacking off and on, interleaved step by step."""
-  import optax  # pylint: disable=g-import-not-at-top
-  from pallas_emb.data.dlrm import DlrmClickLog  # pylint: disable=g-import-not-at-top
-  from pallas_emb.data.feed import GlobalBatches  # pylint: disable=g-import-not-at-top
-  from pallas_emb.model import build_ranking  # pylint: disable=g-import-not-at-top
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:num_devices]), ("x",))
-  dataset = DlrmClickLog(max_rows=max_rows)
-  runs = {}
-  for mode in ("off", "auto"):
-    emb, model = build_ranking(dataset, mesh, emb_dim=16, backend="xla", stacking=mode,
-                               optimizer=pe.RowWiseAdagrad(0.05, half_life_steps=None))
-    feeder = GlobalBatches(dataset, batch_size, emb.sharding())
-    batches = [feeder.train(i) for i in range(8)]
-    tr = pe.make_trainer(emb, model.loss, optax.adam(1e-3), pe.TrainConfig(), batches[0])
-    state = tr.init(model.init(jax.random.key(1)), emb.init(jax.random.key(2)), batches[0])
-    tic = time.perf_counter()
-    state, m = tr.step(state, batches[0], batches[1])
-    jax.block_until_ready(m["loss"])
-    runs[mode] = {"tr": tr, "state": state, "batches": batches, "times": [],
-                  "first_step_s": time.perf_counter() - tic,
-                  "physical_tables": len(emb.table_names)}
-  for t in range(1, steps + warmup + 1):
-    for run in runs.values():
-      tic = time.perf_counter()
-      run["state"], m = run["tr"].step(run["state"], run["batches"][t % 8],
-                                       run["batches"][(t + 1) % 8])
-      jax.block_until_ready(m["loss"])
-      if t > warmup:
-        run["times"].append(time.perf_counter() - tic)
-  return {mode: {"median_step_ms": 1e3 * float(np.median(r["times"])),
-                 "min_step_ms": 1e3 * float(np.min(r["times"])),
-                 "max_step_ms": 1e3 * float(np.max(r["times"])),
-                 "first_step_s": r["first_step_s"], "steps": len(r["times"]),
-                 "physical_tables": r["physical_tables"], "logical_tables": 26,
-                 "devices": num_devices, "batch_size": batch_size, "max_rows": max_rows}
-          for mode, r in runs.items()}
-
-
 def machine_info(bandwidth: float, malloc_tuned: bool) -> dict:
   info = {"platform": platform.platform(), "python": platform.python_version(),
           "cpus": os.cpu_count(), "jax": jax.__version__,
@@ -406,6 +365,7 @@ def run(argv=()) -> dict:
   bandwidth = copy_bandwidth()
   results = {"machine": machine_info(bandwidth, tuned), "workloads": [], "skipped": skipped}
   if FLAGS.workload == "dlrm":
+    from pallas_emb.bench_dlrm import run_dlrm_stacking  # pylint: disable=g-import-not-at-top
     results["dlrm_stacking"] = run_dlrm_stacking(
         FLAGS.steps, FLAGS.pipeline_devices, FLAGS.pipeline_batch_size, FLAGS.dlrm_max_rows)
     print("dlrm: " + "  ".join(f"stacking {k} ({v['physical_tables']} tables) "

@@ -60,6 +60,10 @@ class ShardedEmbedding:
       The state dict is keyed by physical table (`table_names`: a stacked
       group's name, or the table's own); ids, activations, metrics,
       `logical_table` and checkpoints stay per table.
+    replicate_below: tables of `placement="auto"` with fewer rows are
+      stored whole on every device and updated without all_to_all (see
+      `pallas_emb.replicated_ops`); 0 (default): none unless their spec
+      says "replicated".
   """
 
   tables: Sequence[TableSpec]
@@ -68,6 +72,7 @@ class ShardedEmbedding:
   axis: str = "x"
   backend: str | None = None
   stacking: Any = "auto"
+  replicate_below: int = 0
 
   def __post_init__(self):
     object.__setattr__(self, "tables", tuple(self.tables))
@@ -96,7 +101,8 @@ class ShardedEmbedding:
     object.__setattr__(self, "stacking", stacking_lib.normalize(self.stacking))
     # Derived, not a field: equality and hashing stay those of the fields.
     object.__setattr__(self, "_groups", {g.name: g for g in stacking_lib.plan_groups(
-        self.tables, self.features, self.num_shards, self.stacking)})
+        self.tables, self.features, self.num_shards, self.stacking,
+        self.replicate_below)})
 
   # -- static helpers ---------------------------------------------------------
 
@@ -133,8 +139,23 @@ class ShardedEmbedding:
                      f"{[t.name for t in self.tables]}.")
 
   def layout(self, name: str) -> RowLayout:
+    """Where a physical table's rows live (one shard if replicated), or a
+    logical table's if it were stored alone."""
+    if name in self._groups:
+      return self._groups[name].layout(self.num_shards)
     spec = self.table_spec(name)
     return RowLayout(spec.num_rows, self.num_shards, spec.layout)
+
+  def logical_layout(self, name: str) -> RowLayout:
+    """Where logical table `name`'s rows would live stored alone and
+    sharded (the layout of `member_states` and of checkpoints)."""
+    spec = self.group_of(name).tables[
+        [t.name for t in self.group_of(name).tables].index(name)]
+    return RowLayout(spec.num_rows, self.num_shards, spec.layout)
+
+  def table_sharding(self, name: str) -> NamedSharding:
+    """Where a physical table's state lives: row-sharded or replicated."""
+    return self.sharding(rows=not self._groups[name].replicated)
 
   def features_of(self, table: str) -> tuple[FeatureSpec, ...]:
     """The features of a physical table (in token order) or a logical one."""
@@ -176,7 +197,7 @@ class ShardedEmbedding:
                          ) -> dict[str, TableState]:
     """The inverse of `member_states`: logical -> physical states."""
     return {g.name: stacking_lib.group_state(g, self.num_shards,
-                                             self.sharding(), states)
+                                             self.table_sharding(g.name), states)
             for g in self.groups}
 
   def sharded_table(self, name: str, tokens_per_shard: int,
@@ -187,7 +208,8 @@ class ShardedEmbedding:
     caps = Capacities.for_table(spec, layout, tokens_per_shard,
                                 unique_capacity)
     return ShardedTable(spec, self.features_of(name), layout, caps, self.mesh,
-                        self.axis, self.backend, self._groups[name].members)
+                        self.axis, self.backend, self._groups[name].members,
+                        self._groups[name].replicated)
 
   def sharding(self, *, rows: bool = True) -> NamedSharding:
     """Row-sharded (or replicated) placement on the mesh."""
@@ -252,7 +274,8 @@ class ShardedEmbedding:
     spec = self.table_spec(name)
     table, slots = validate.check_logical(spec, table, slots)
     return state_lib.state_from_logical(
-        spec, self.layout(name), self.sharding(), self.sharding(rows=False),
+        spec, self.layout(name), self.table_sharding(name),
+        self.sharding(rows=False),
         table, slots, step)
 
   def logical_table(self, tables: Mapping[str, TableState], name: str) -> np.ndarray:

@@ -20,11 +20,22 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from pallas_emb import shard_ops
+from pallas_emb import replicated_ops, shard_ops
 from pallas_emb.shard_ops import ShardedTable
 from pallas_emb.state import TableMetrics, TableResiduals, TableState, init_shard
 
 ROWS, REPLICATED = "rows", "replicated"
+
+
+def _ops(t: ShardedTable):
+  """The per-device functions of `t`: `shard_ops`, or `replicated_ops` for a
+  table stored whole on every device."""
+  return replicated_ops if t.replicated else shard_ops
+
+
+def _stored(t: ShardedTable) -> str:
+  """How the table and slots of `t` are placed."""
+  return REPLICATED if t.replicated else ROWS
 
 
 def per_device(t: ShardedTable, fn: Callable, in_specs: Sequence[str],
@@ -69,17 +80,17 @@ def init(t: ShardedTable, key: jax.Array) -> TableState:
   """
 
   def fn(k):
-    return init_shard(t.spec, t.layout, k, jax.lax.axis_index(t.axis),
-                      t.members)
+    shard = 0 if t.replicated else jax.lax.axis_index(t.axis)
+    return init_shard(t.spec, t.layout, k, shard, t.members)
 
-  table, slots = per_device(t, fn, [REPLICATED], ROWS)(key)
+  table, slots = per_device(t, fn, [REPLICATED], _stored(t))(key)
   return TableState(table, slots, jnp.zeros((), jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def plan(t: ShardedTable, feature_ids: tuple[jax.Array, ...]) -> TableResiduals:
   """The residuals of a lookup of (B, L) ids per feature, reading no row."""
-  fn = lambda *ids: shard_ops.plan_shard(t, ids)
+  fn = lambda *ids: _ops(t).plan_shard(t, ids)
   return per_device(t, fn, [ROWS] * len(feature_ids), ROWS)(*feature_ids)
 
 
@@ -87,8 +98,8 @@ def plan(t: ShardedTable, feature_ids: tuple[jax.Array, ...]) -> TableResiduals:
 def lookup(t: ShardedTable, table: jax.Array,
            feature_ids: tuple[jax.Array, ...]):
   """-> (per-feature outputs, `TableResiduals`); see `shard_ops.lookup_shard`."""
-  fn = lambda table, *ids: shard_ops.lookup_shard(t, table, ids)
-  return per_device(t, fn, [ROWS] * (1 + len(feature_ids)), ROWS)(
+  fn = lambda table, *ids: _ops(t).lookup_shard(t, table, ids)
+  return per_device(t, fn, [_stored(t)] + [ROWS] * len(feature_ids), ROWS)(
       table, *feature_ids)
 
 
@@ -104,12 +115,13 @@ def token_gradients(t: ShardedTable, res: TableResiduals,
 def _update(t: ShardedTable, state: TableState, res: TableResiduals, gate,
             grads: tuple[jax.Array, ...], token_grads_of: Callable):
   def fn(table, slots, step, res, gate, *grads):
-    return shard_ops.update_shard(t, table, slots, step, res,
-                                  token_grads_of(res, grads), gate)
+    return _ops(t).update_shard(t, table, slots, step, res,
+                                token_grads_of(res, grads), gate)
 
+  stored = _stored(t)
   table, slots, step, metrics = per_device(
-      t, fn, [ROWS, ROWS, REPLICATED, ROWS, REPLICATED] + [ROWS] * len(grads),
-      (ROWS, ROWS, REPLICATED, REPLICATED))(
+      t, fn, [stored, stored, REPLICATED, ROWS, REPLICATED] + [ROWS] * len(grads),
+      (stored, stored, REPLICATED, REPLICATED))(
           state.table, state.slots, state.step, res,
           jnp.asarray(gate, jnp.bool_), *grads)
   return TableState(table, slots, step), metrics
@@ -143,5 +155,5 @@ def apply_token_gradients(t: ShardedTable, state: TableState,
 def empty_residuals(t: ShardedTable, tokens_per_shard: int
                     ) -> tuple[TableResiduals, jax.Array]:
   """Residuals and zero token gradients of a batch that routes nothing."""
-  fn = lambda: shard_ops.empty_shard(t, tokens_per_shard)
+  fn = lambda: _ops(t).empty_shard(t, tokens_per_shard)
   return per_device(t, fn, [], ROWS)()

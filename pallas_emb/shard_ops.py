@@ -50,6 +50,8 @@ class ShardedTable:
     members: the member tables when this is a stack of several (see
       `pallas_emb.members`): then the counts of `TableResiduals` and every
       field of `TableMetrics` are per member, (M,).
+    replicated: stored whole on every device (`layout` has one shard) and
+      stepped by `pallas_emb.replicated_ops` instead.
   """
 
   spec: TableSpec
@@ -60,6 +62,7 @@ class ShardedTable:
   axis: str
   backend: str
   members: Members | None = None
+  replicated: bool = False
 
   @property
   def name(self) -> str:
@@ -94,7 +97,7 @@ def _route(t: ShardedTable, ids: jax.Array) -> tuple[Unique, RoutePlan]:
   return unique, plan
 
 
-def _residuals(unique: Unique, plan: RoutePlan, weights,
+def make_residuals(unique: Unique, plan: RoutePlan, weights,
                counts=None) -> TableResiduals:
   """`counts`: per-member (invalid, unique, overflow, route demand) of a
   stacked table, which replace the scalars."""
@@ -156,7 +159,7 @@ def plan_shard(t: ShardedTable, feature_ids: Sequence[jax.Array]) -> TableResidu
   blocks = split_tokens(plan.token_slot >= 0, [x.shape for x in feature_ids])
   weights = [combine(jnp.zeros(v.shape + (0,)), v, f.combiner)[1]
              for f, v in zip(t.features, blocks)]
-  return _residuals(unique, plan, weights,
+  return make_residuals(unique, plan, weights,
                     _member_counts(t, invalid, unique, plan))
 
 
@@ -188,7 +191,7 @@ def lookup_shard(t: ShardedTable, table: jax.Array,
   outs, weights = zip(*(
       combine(r, v, f.combiner) for f, r, v in zip(
           t.features, split_tokens(rows, shapes), split_tokens(has_row, shapes))))
-  return outs, _residuals(unique, plan, weights,
+  return outs, make_residuals(unique, plan, weights,
                          _member_counts(t, invalid, unique, plan))
 
 
@@ -207,7 +210,7 @@ def empty_shard(t: ShardedTable, tokens_per_shard: int
   counts = None
   if t.members is not None:
     counts = (jnp.zeros((t.members.count,), jnp.int32),) * 4
-  return _residuals(unique, plan, (), counts), grads
+  return make_residuals(unique, plan, (), counts), grads
 
 
 # -- update -----------------------------------------------------------------------

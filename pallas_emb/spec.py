@@ -58,6 +58,10 @@ class TableSpec:
       per chip, not the chip count), else unique_capacity (exact). Extra ids
       are dropped and counted as overflow. Rounded up to a multiple of 8 and
       capped at the rows per shard.
+    placement: "sharded" (rows over the mesh axis), "replicated" (the whole
+      table on every device, updated without all_to_all, see
+      `pallas_emb.replicated_ops`; for small tables), or "auto": replicated
+      below `ShardedEmbedding.replicate_below` rows, else sharded.
   """
 
   name: str
@@ -69,6 +73,7 @@ class TableSpec:
   layout: Literal["mod", "range"] = "mod"
   unique_capacity: int | None = None
   route_capacity: int | None = None
+  placement: Literal["auto", "sharded", "replicated"] = "auto"
 
   def __post_init__(self):
     owner = f"TableSpec({self.name!r})"
@@ -100,6 +105,9 @@ class TableSpec:
     if self.layout not in ("mod", "range"):
       raise SpecError(f"{owner}: layout must be 'mod' or 'range', got "
                       f"{self.layout!r}.")
+    if self.placement not in ("auto", "sharded", "replicated"):
+      raise SpecError(f"{owner}: placement must be 'auto', 'sharded' or "
+                      f"'replicated', got {self.placement!r}.")
     for field in ("unique_capacity", "route_capacity"):
       check_int(getattr(self, field), f"{owner}: {field}", error=SpecError,
                 optional=True, fix="None is the default (see TableSpec).")

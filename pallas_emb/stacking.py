@@ -22,7 +22,9 @@ gaps (< 2S rows per member) are padding no id reaches. Under "range" the
 members are contiguous, `offset[i] = offset[i-1] + rows[i-1]`.
 
 A group of one table is that table itself, unchanged (same name, layout and
-state as without stacking).
+state as without stacking). A replicated table (`TableSpec.placement`, or
+below `replicate_below` rows) is never stacked: it is a group of one, stored
+whole on every device (`pallas_emb.replicated_ops`).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class Group:
     tables: the member tables, in stacking order.
     indices: each member's index among all tables (its init key).
     members: where each member's rows are, or None for a table alone.
+    replicated: stored whole on every device (a table alone).
   """
 
   spec: TableSpec
@@ -61,6 +64,16 @@ class Group:
   tables: tuple[TableSpec, ...]
   indices: tuple[int, ...]
   members: Members | None
+  replicated: bool = False
+
+  def layout(self, num_shards: int) -> RowLayout:
+    """Where the group's rows live over `num_shards` shards."""
+    return RowLayout(self.spec.num_rows, 1 if self.replicated else num_shards,
+                     self.spec.layout)
+
+  @property
+  def starts(self) -> tuple[int, ...]:
+    return (0,) if self.members is None else self.members.starts
 
   @property
   def name(self) -> str:
@@ -93,10 +106,12 @@ def _sum_or_none(values):
   return None if any(v is None for v in values) else sum(values)
 
 
-def _group(name: str, tables, indices, features, num_shards) -> Group:
+def _group(name: str, tables, indices, features, num_shards,
+           replicated=False) -> Group:
   feats = [f for t in tables for f in features if f.table == t.name]
   if len(tables) == 1:
-    return Group(tables[0], tuple(feats), tuple(tables), tuple(indices), None)
+    return Group(tables[0], tuple(feats), tuple(tables), tuple(indices), None,
+                 replicated)
   starts = offsets(tables, num_shards)
   first = tables[0]
   spec = dataclasses.replace(
@@ -127,8 +142,16 @@ def normalize(stacking) -> str | tuple[tuple[str, tuple[str, ...]], ...]:
                     f"group name -> table names, got {stacking!r}.") from None
 
 
+def is_replicated(spec: TableSpec, replicate_below: int) -> bool:
+  """Whether `spec` is stored whole on every device."""
+  if spec.placement == "auto":
+    return spec.num_rows < replicate_below
+  return spec.placement == "replicated"
+
+
 def plan_groups(tables: Sequence[TableSpec], features: Sequence[FeatureSpec],
-                num_shards: int, stacking) -> tuple[Group, ...]:
+                num_shards: int, stacking,
+                replicate_below: int = 0) -> tuple[Group, ...]:
   """The physical tables of `tables` under a stacking choice.
 
   Args:
@@ -136,6 +159,8 @@ def plan_groups(tables: Sequence[TableSpec], features: Sequence[FeatureSpec],
       order, named by its members joined with "+"), "off" (each table
       alone), or normalized ((group name, table names), ...) (tables not
       named stay alone).
+    replicate_below: tables of `placement="auto"` with fewer rows are
+      replicated (and stay alone).
 
   Raises:
     SpecError: a hand grouping names an unknown table, a table twice, a
@@ -143,12 +168,14 @@ def plan_groups(tables: Sequence[TableSpec], features: Sequence[FeatureSpec],
   """
   names = [t.name for t in tables]
   index = {t.name: i for i, t in enumerate(tables)}
+  replicated = {t.name for t in tables if is_replicated(t, replicate_below)}
   if stacking == "off":
     sets = [(t.name, [t.name]) for t in tables]
   elif stacking == "auto":
     by_key: dict = {}
     for t in tables:
-      by_key.setdefault(stack_key(t), []).append(t.name)
+      key = ("replicated", t.name) if t.name in replicated else stack_key(t)
+      by_key.setdefault(key, []).append(t.name)
     sets = [("+".join(v), v) for v in by_key.values()]
   else:
     sets, seen = [], set()
@@ -165,6 +192,11 @@ def plan_groups(tables: Sequence[TableSpec], features: Sequence[FeatureSpec],
         raise SpecError(f"stacking group name {group!r} is a table's name; "
                         "name the group differently.")
       keys = {stack_key(tables[index[m]]) for m in members}
+      if len(members) > 1 and replicated & set(members):
+        raise SpecError(
+            f"stacking group {group!r} has replicated tables "
+            f"{sorted(replicated & set(members))}; a replicated table is "
+            "stored alone: leave it out of the group.")
       if len(keys) > 1:
         raise SpecError(
             f"stacking group {group!r} mixes tables that cannot share one "
@@ -178,7 +210,8 @@ def plan_groups(tables: Sequence[TableSpec], features: Sequence[FeatureSpec],
       continue
     members = sorted(members, key=index.get)
     groups.append(_group(name, [tables[index[m]] for m in members],
-                         [index[m] for m in members], features, num_shards))
+                         [index[m] for m in members], features, num_shards,
+                         members[0] in replicated))
   taken = set(names)
   for g in groups:
     if g.members is not None and g.name in taken:
@@ -195,28 +228,29 @@ def _member_layout(spec: TableSpec, num_shards: int) -> RowLayout:
 
 def _member_source(group: Group, i: int, num_shards: int) -> np.ndarray:
   """Physical group row of each physical row of member i alone (-1: none)."""
-  glayout = _member_layout(group.spec, num_shards)
+  glayout = group.layout(num_shards)
   mlayout = _member_layout(group.tables[i], num_shards)
   rows = mlayout.logical_of(np.arange(mlayout.num_physical_rows))
-  src = glayout.physical_of(np.maximum(rows, 0) + group.members.starts[i])
+  src = glayout.physical_of(np.maximum(rows, 0) + group.starts[i])
   return np.where(rows >= 0, src, -1).astype(np.int32)
 
 
 def _group_source(group: Group, num_shards: int) -> np.ndarray:
   """Row of the members' concatenated physical arrays held by each physical
   group row (-1: padding)."""
-  glayout = _member_layout(group.spec, num_shards)
+  glayout = group.layout(num_shards)
   mlayouts = [_member_layout(t, num_shards) for t in group.tables]
   base = np.cumsum([0] + [m.num_physical_rows for m in mlayouts])
   rows = glayout.logical_of(np.arange(glayout.num_physical_rows))
-  starts = np.asarray(group.members.starts)
+  starts = np.asarray(group.starts)
+  sizes = np.asarray([t.num_rows for t in group.tables])
   at = np.maximum(np.searchsorted(starts, rows, side="right") - 1, 0)
   member = np.where((rows >= 0) & (rows >= starts[at]) & (
-      rows < starts[at] + np.asarray(group.members.sizes)[at]), at, -1)
+      rows < starts[at] + sizes[at]), at, -1)
   src = np.full(rows.shape, -1, np.int64)
   for i, m in enumerate(mlayouts):
     at = member == i
-    src[at] = base[i] + m.physical_of(rows[at] - group.members.starts[i])
+    src[at] = base[i] + m.physical_of(rows[at] - starts[i])
   return src.astype(np.int32)
 
 
@@ -245,7 +279,7 @@ def _split(group: Group, num_shards: int, i: int, sharding, state: TableState
 def _join(group: Group, num_shards: int, sharding, states) -> TableState:
   idx = _group_source(group, num_shards)
   spec = group.spec
-  rps = _member_layout(spec, num_shards).rows_per_shard
+  rps = group.layout(num_shards).rows_per_shard
   slots = spec.optimizer.slot_specs()
   cat = lambda xs: jax.numpy.concatenate(xs, axis=0)
   put = lambda x: jax.lax.with_sharding_constraint(x, sharding)
@@ -260,9 +294,9 @@ def _join(group: Group, num_shards: int, sharding, states) -> TableState:
 def member_states(group: Group, num_shards: int, sharding,
                   state: TableState) -> dict[str, TableState]:
   """Each member's state as if it were stored alone (its own physical
-  layout over `num_shards`, placed by `sharding`); the members share the
-  group's step."""
-  if group.members is None:
+  layout over `num_shards`, row-sharded by `sharding`); the members share
+  the group's step."""
+  if group.members is None and not group.replicated:
     return {group.name: state}
   return {t.name: _split(group, num_shards, i, sharding, state)
           for i, t in enumerate(group.tables)}
@@ -271,8 +305,9 @@ def member_states(group: Group, num_shards: int, sharding,
 def group_state(group: Group, num_shards: int, sharding,
                 states: Mapping[str, TableState]) -> TableState:
   """The inverse of `member_states`: the group's state from each member's
-  own (the step of the group is its first member's)."""
-  if group.members is None:
+  own (the step of the group is its first member's). `sharding`: the
+  group's placement."""
+  if group.members is None and not group.replicated:
     return states[group.name]
   return _join(group, num_shards, sharding,
                tuple(states[t.name] for t in group.tables))

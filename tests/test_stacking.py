@@ -8,7 +8,7 @@ import pytest
 
 import pallas_emb as pe
 from conftest import make_mesh
-from pallas_emb import stacking
+from pallas_emb import programs, stacking
 from pallas_emb.train.checkpoint import Checkpointer
 
 D = 8
@@ -184,3 +184,41 @@ def test_trainer_stacked_equals_unstacked_and_checkpoints_cross_over(use_async, 
   _assert_same(off["emb"], off["next"][0].tables, auto["emb"], auto["next"][0].tables, "ac")
   _assert_metrics_equal(jax.tree.map(np.asarray, off["next"][1]["emb"]),
                         jax.tree.map(np.asarray, auto["next"][1]["emb"]))
+
+
+@pytest.mark.parametrize("n", [6])
+def test_replicated_equals_sharded(n):
+  """A replicated table (whole on every device, no all_to_all) trains
+  bit-identically to the sharded one, metrics included (but the capacity
+  diagnostics, which describe another routing)."""
+  opt = pe.LazyAdam(0.05)
+  runs = []
+  for kw in ({}, {"replicate_below": 30}):
+    emb = pe.ShardedEmbedding(_tables(opt), FEATURES, make_mesh(n), "x", "xla",
+                              stacking="off", **kw)
+    runs.append((emb,) + _run(emb))
+  (e0, s0, log0), (e1, s1, log1) = runs
+  assert e1.layout("c").num_shards == 1 and e1.layout("a").num_shards == n
+  assert s1["c"].table.sharding.is_fully_replicated
+  _assert_same(e0, s0, e1, s1, "ac")
+  for (a0, m0), (a1, m1) in zip(log0, log1):
+    for k in a0:
+      np.testing.assert_array_equal(a0[k], a1[k])
+    for t in m0:
+      for k in ("unique_ids", "invalid_ids", "overflow_ids", "grad_norm", "applied",
+                "max_unique_per_shard"):
+        np.testing.assert_array_equal(m0[t][k], m1[t][k], err_msg=f"{t}.{k}")
+  assert not log1[-1][1]["c"]["applied"] and log1[-1][1]["a"]["applied"]
+  # Stored alone and sharded for checkpoints; back to replicated.
+  back = e1.from_member_states(e1.member_states(s1))
+  assert back["c"].table.sharding.is_fully_replicated
+  _assert_same(e1, back, e0, s0, "ac")
+  # The replicated table's lookup and update exchange nothing all-to-all.
+  ids = (jnp.asarray(_ids(np.random.default_rng(1), e1)["fc"]),)
+  for emb, state, count in ((e0, s0, True), (e1, s1, False)):
+    t = emb.sharded_table("c", ids[0].shape[0] // n * ids[0].shape[1])
+    text = programs.lookup.lower(t, state["c"].table, ids).as_text()
+    res = programs.plan(t, ids)
+    text += programs.apply_gradients.lower(
+        t, state["c"], res, (jnp.zeros((24, D)),), True).as_text()
+    assert ("all_to_all" in text) == count

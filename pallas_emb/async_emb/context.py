@@ -258,8 +258,8 @@ def context_handles(emb: ShardedEmbedding, ids: Mapping[str, Any], *,
         num_unique=emb.sharded_table(name, per_shard).capacities.unique,
         table=spec, features=emb.features_of(name),
         backend=backend or emb.backend, context_id=i)
-    # A stack of tables keeps its members (the handle's own embedding sees
-    # one plain table).
-    handles[name] = dataclasses.replace(handle, sharded_table=dataclasses.replace(
-        handle.sharded_table, members=emb.sharded_table(name, per_shard).members))
+    # A stack keeps its members and a replicated table its placement (the
+    # handle's own embedding sees one plain table); the capacities agree.
+    handles[name] = dataclasses.replace(
+        handle, sharded_table=emb.sharded_table(name, per_shard))
   return handles

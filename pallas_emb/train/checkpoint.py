@@ -249,7 +249,7 @@ class Checkpointer:
     """The saved layout of table `name`, or None if it is this trainer's."""
     info = meta["tables"][name]
     old = RowLayout(info["num_rows"], meta["num_shards"], info["layout"])
-    return None if old == self.trainer.emb.layout(name) else old
+    return None if old == self.trainer.emb.logical_layout(name) else old
 
   def _target(self, template: TrainState, meta: dict) -> dict:
     """What orbax restores into: this mesh's shardings where the layout is
@@ -294,7 +294,7 @@ class Checkpointer:
     if old is None:
       return TableState(d["table"], dict(d["slots"]), d["step"])
     emb = self.trainer.emb
-    new = emb.layout(name)
+    new = emb.logical_layout(name)
     slots = state_lib.reshard_slots(emb.table_spec(name), old, new, d["slots"])
     return TableState(
         jax.device_put(old.reshard(np.asarray(d["table"]), new), emb.sharding()),
