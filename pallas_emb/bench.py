@@ -2,11 +2,7 @@
 
     python -m pallas_emb.bench --json bench.json [--vocab 1000000,10000000]
         [--ids 65536] [--steps 30] [--methods fused,dense,fbgemm] [--plot bench.png]
-    python -m pallas_emb.bench --json dlrm.json --workload=dlrm [--steps 20]
-
---workload=dlrm times instead the main job's step on 26 Criteo-shaped tables
-(`pallas_emb.data.dlrm`) with table stacking off and on, interleaved step by
-step on --pipeline_devices (simulated) devices, batch --pipeline_batch_size.
+    python -m pallas_emb.bench --json dlrm.json --workload=dlrm  # see bench_dlrm
 
 Per workload (V rows x D float32, N ids drawn as `(rng(0).zipf(1.1, N) - 1) %
 V`, one gradient row per id, row-wise Adagrad with lr 0.01, eps 1e-8, no
@@ -368,9 +364,7 @@ def run(argv=()) -> dict:
     from pallas_emb.bench_dlrm import run_dlrm_stacking  # pylint: disable=g-import-not-at-top
     results["dlrm_stacking"] = run_dlrm_stacking(
         FLAGS.steps, FLAGS.pipeline_devices, FLAGS.pipeline_batch_size, FLAGS.dlrm_max_rows)
-    print("dlrm: " + "  ".join(f"stacking {k} ({v['physical_tables']} tables) "
-                               f"{v['median_step_ms']:.1f} ms/step"
-                               for k, v in results["dlrm_stacking"].items()), flush=True)
+    print("dlrm: " + json.dumps(results["dlrm_stacking"]), flush=True)
     with open(FLAGS.json, "w") as f:
       json.dump(results, f, indent=2)
     return results

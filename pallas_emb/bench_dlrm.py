@@ -1,5 +1,8 @@
 """The DLRM-shaped step with table stacking off and on (`bench --workload=dlrm`).
 
+    python -m pallas_emb.bench --json dlrm.json --workload=dlrm [--steps 20]
+        [--pipeline_devices 8] [--pipeline_batch_size 1024] [--dlrm_max_rows 20000]
+
 26 Criteo-shaped tables (`pallas_emb.data.dlrm`), the main job's model and
 async pipeline, both configurations built in one process and stepped
 alternately, so the machine's noise hits both alike.
