@@ -10,6 +10,7 @@ alternately, so the machine's noise hits both alike.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -25,13 +26,17 @@ from pallas_emb.model import build_ranking
 def run_dlrm_stacking(steps: int, num_devices: int, batch_size: int,
                       max_rows: int, warmup: int = 2) -> dict:
   """Median step time of the DLRM-shaped main job (async pipeline) with
-  stacking off and on, interleaved step by step."""
+  stacking off, on, and on with the tables under 1000 rows replicated,
+  interleaved step by step."""
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:num_devices]), ("x",))
   dataset = DlrmClickLog(max_rows=max_rows)
   runs = {}
-  for mode in ("off", "auto"):
-    emb, model = build_ranking(dataset, mesh, emb_dim=16, backend="xla", stacking=mode,
+  for mode in ("off", "auto", "auto+replicated"):
+    emb, model = build_ranking(dataset, mesh, emb_dim=16, backend="xla",
+                               stacking=mode.split("+")[0],
                                optimizer=pe.RowWiseAdagrad(0.05, half_life_steps=None))
+    if mode.endswith("replicated"):
+      emb = dataclasses.replace(emb, replicate_below=1000)
     feeder = GlobalBatches(dataset, batch_size, emb.sharding())
     batches = [feeder.train(i) for i in range(8)]
     tr = pe.make_trainer(emb, model.loss, optax.adam(1e-3), pe.TrainConfig(), batches[0])
