@@ -2,6 +2,7 @@
 
     python -m pallas_emb.bench --json bench.json [--vocab 1000000,10000000]
         [--ids 65536] [--steps 30] [--methods fused,dense,fbgemm] [--plot bench.png]
+    python -m pallas_emb.bench --json dlrm.json --workload=dlrm  # see bench_dlrm
 
 Per workload (V rows x D float32, N ids drawn as `(rng(0).zipf(1.1, N) - 1) %
 V`, one gradient row per id, row-wise Adagrad with lr 0.01, eps 1e-8, no
@@ -58,6 +59,9 @@ def define_flags() -> None:
   """The program's flags; defined only when it runs, so that importing this
   module (the notebook does) adds none to the importer's absl flags."""
   flags.DEFINE_string("json", None, "Write the results to this JSON file.", required=True)
+  flags.DEFINE_enum("workload", "update", ["update", "dlrm"], "update: the sparse update "
+                    "benchmarks; dlrm: the DLRM-shaped step with stacking off vs on.")
+  flags.DEFINE_integer("dlrm_max_rows", 20_000, "--workload=dlrm: cap of every table's rows.")
   flags.DEFINE_list("vocab", ["1000000", "10000000"], "Table sizes V (rows).")
   flags.DEFINE_list("ids", ["65536"], "Ids per step N.")
   flags.DEFINE_integer("dim", 128, "Row width D.")
@@ -356,6 +360,14 @@ def run(argv=()) -> dict:
       skipped["fbgemm"] = f"not installed ({why}); pip install '.[bench]'"
   bandwidth = copy_bandwidth()
   results = {"machine": machine_info(bandwidth, tuned), "workloads": [], "skipped": skipped}
+  if FLAGS.workload == "dlrm":
+    from pallas_emb.bench_dlrm import run_dlrm_stacking  # pylint: disable=g-import-not-at-top
+    results["dlrm_stacking"] = run_dlrm_stacking(
+        FLAGS.steps, FLAGS.pipeline_devices, FLAGS.pipeline_batch_size, FLAGS.dlrm_max_rows)
+    print("dlrm: " + json.dumps(results["dlrm_stacking"]), flush=True)
+    with open(FLAGS.json, "w") as f:
+      json.dump(results, f, indent=2)
+    return results
   for num_ids in (int(float(x)) for x in FLAGS.ids):
     for vocab in (int(float(x)) for x in FLAGS.vocab):
       w = run_workload(vocab, num_ids, FLAGS.dim, methods, bandwidth, FLAGS.steps, FLAGS.warmup)

@@ -76,7 +76,9 @@ def plan_capacities(emb: ShardedEmbedding,
   if not (np.isfinite(headroom) and headroom >= 1.0):
     raise InputError(f"headroom must be a finite float >= 1, got {headroom!r}.")
   check_int(slack, "slack", minimum=0, error=InputError)
-  exact = dataclasses.replace(emb, tables=tuple(
+  # Measured per table, stacked or not (a stack's capacities are the sums
+  # of its members', see `pallas_emb.stacking`).
+  exact = dataclasses.replace(emb, stacking="off", tables=tuple(
       dataclasses.replace(t, unique_capacity=None, route_capacity=_UNLIMITED)
       for t in emb.tables))
   seen: dict[str, list[int]] = {}

@@ -19,14 +19,15 @@ validate (`validate`) and call one jitted program per table (`programs`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from pallas_emb import kernels, pooling, programs, state as state_lib, validate
+from pallas_emb import kernels, pooling, programs, stacking as stacking_lib
+from pallas_emb import state as state_lib, validate
 from pallas_emb.ids import int32_ids
 from pallas_emb.capacity import Capacities
 from pallas_emb.errors import InputError, SpecError
@@ -53,6 +54,16 @@ class ShardedEmbedding:
     axis: the mesh axis name tables and data are sharded over.
     backend: "pallas", "interpret", "xla" or None: "pallas" on a mesh of
       TPUs, "xla" elsewhere.
+    stacking: "auto" (default: tables of equal dim, dtype, optimizer,
+      initializer and layout are stored and updated as one, see
+      `pallas_emb.stacking`), "off", or a dict group name -> table names.
+      The state dict is keyed by physical table (`table_names`: a stacked
+      group's name, or the table's own); ids, activations, metrics,
+      `logical_table` and checkpoints stay per table.
+    replicate_below: tables of `placement="auto"` with fewer rows are
+      stored whole on every device and updated without all_to_all (see
+      `pallas_emb.replicated_ops`); 0 (default): none unless their spec
+      says "replicated".
   """
 
   tables: Sequence[TableSpec]
@@ -60,6 +71,8 @@ class ShardedEmbedding:
   mesh: Mesh
   axis: str = "x"
   backend: str | None = None
+  stacking: Any = "auto"
+  replicate_below: int = 0
 
   def __post_init__(self):
     object.__setattr__(self, "tables", tuple(self.tables))
@@ -85,6 +98,11 @@ class ShardedEmbedding:
           f"{self.mesh.axis_names}; pass one of them as axis=.")
     object.__setattr__(self, "backend", kernels.resolve_backend(
         self.backend, self.mesh.devices.flat))
+    object.__setattr__(self, "stacking", stacking_lib.normalize(self.stacking))
+    # Derived, not a field: equality and hashing stay those of the fields.
+    object.__setattr__(self, "_groups", {g.name: g for g in stacking_lib.plan_groups(
+        self.tables, self.features, self.num_shards, self.stacking,
+        self.replicate_below)})
 
   # -- static helpers ---------------------------------------------------------
 
@@ -92,7 +110,28 @@ class ShardedEmbedding:
   def num_shards(self) -> int:
     return self.mesh.shape[self.axis]
 
+  @property
+  def groups(self) -> tuple[stacking_lib.Group, ...]:
+    """The physical tables (see `pallas_emb.stacking`)."""
+    return tuple(self._groups.values())
+
+  @property
+  def table_names(self) -> tuple[str, ...]:
+    """The keys of the state dict: one per physical table."""
+    return tuple(self._groups)
+
+  def group_of(self, table: str) -> stacking_lib.Group:
+    """The group that stores logical table `table`."""
+    for g in self.groups:
+      if any(t.name == table for t in g.tables):
+        return g
+    raise InputError(f"unknown table {table!r}; the tables are "
+                     f"{[t.name for t in self.tables]}.")
+
   def table_spec(self, name: str) -> TableSpec:
+    """The spec of a physical table (a group name) or a logical one."""
+    if name in self._groups:
+      return self._groups[name].spec
     for t in self.tables:
       if t.name == name:
         return t
@@ -100,11 +139,66 @@ class ShardedEmbedding:
                      f"{[t.name for t in self.tables]}.")
 
   def layout(self, name: str) -> RowLayout:
+    """Where a physical table's rows live (one shard if replicated), or a
+    logical table's if it were stored alone."""
+    if name in self._groups:
+      return self._groups[name].layout(self.num_shards)
     spec = self.table_spec(name)
     return RowLayout(spec.num_rows, self.num_shards, spec.layout)
 
+  def logical_layout(self, name: str) -> RowLayout:
+    """Where logical table `name`'s rows would live stored alone and
+    sharded (the layout of `member_states` and of checkpoints)."""
+    spec = self.group_of(name).tables[
+        [t.name for t in self.group_of(name).tables].index(name)]
+    return RowLayout(spec.num_rows, self.num_shards, spec.layout)
+
+  def table_sharding(self, name: str) -> NamedSharding:
+    """Where a physical table's state lives: row-sharded or replicated."""
+    return self.sharding(rows=not self._groups[name].replicated)
+
   def features_of(self, table: str) -> tuple[FeatureSpec, ...]:
+    """The features of a physical table (in token order) or a logical one."""
+    if table in self._groups:
+      return self._groups[table].features
     return tuple(f for f in self.features if f.table == table)
+
+  @property
+  def physical_features(self) -> tuple[FeatureSpec, ...]:
+    return tuple(f for g in self.groups for f in g.features)
+
+  def unstacked(self) -> "ShardedEmbedding":
+    """The same tables with stacking off."""
+    return dataclasses.replace(self, stacking="off")
+
+  def metrics_by_table(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """Physical table -> metrics (pytrees of (M,) arrays for a stack) ->
+    logical table -> metrics."""
+    out = {}
+    for name, m in metrics.items():
+      g = self._groups[name]
+      if g.members is None:
+        out[name] = m
+      else:
+        out.update((t.name, jax.tree.map(lambda x, i=i: x[i], m))
+                   for i, t in enumerate(g.tables))
+    return out
+
+  def member_states(self, tables: Mapping[str, TableState]
+                    ) -> dict[str, TableState]:
+    """Logical table -> its state as if stored alone (stacking off)."""
+    out = {}
+    for name, ts in tables.items():
+      out.update(stacking_lib.member_states(self._groups[name],
+                                            self.num_shards, self.sharding(), ts))
+    return out
+
+  def from_member_states(self, states: Mapping[str, TableState]
+                         ) -> dict[str, TableState]:
+    """The inverse of `member_states`: logical -> physical states."""
+    return {g.name: stacking_lib.group_state(g, self.num_shards,
+                                             self.table_sharding(g.name), states)
+            for g in self.groups}
 
   def sharded_table(self, name: str, tokens_per_shard: int,
                     unique_capacity: int | None = None) -> ShardedTable:
@@ -114,7 +208,8 @@ class ShardedEmbedding:
     caps = Capacities.for_table(spec, layout, tokens_per_shard,
                                 unique_capacity)
     return ShardedTable(spec, self.features_of(name), layout, caps, self.mesh,
-                        self.axis, self.backend)
+                        self.axis, self.backend, self._groups[name].members,
+                        self._groups[name].replicated)
 
   def sharding(self, *, rows: bool = True) -> NamedSharding:
     """Row-sharded (or replicated) placement on the mesh."""
@@ -123,7 +218,8 @@ class ShardedEmbedding:
   def check_ids(self, ids: Mapping[str, jax.Array]) -> dict[str, int]:
     """Validates the ids of every feature and where they live; returns
     tokens per shard by table."""
-    tokens = validate.check_ids(self.features, ids, self.num_shards, self.axis)
+    tokens = validate.check_ids(self.physical_features, ids, self.num_shards,
+                                self.axis)
     validate.check_placement(ids, self.mesh)
     return tokens
 
@@ -147,11 +243,18 @@ class ShardedEmbedding:
 
     Args:
       key: a PRNG key; table i uses `fold_in(key, i)`, row r of it
-        `fold_in(fold_in(key, i), r)`.
+        `fold_in(fold_in(key, i), r)`, whether it is stacked or not.
+
+    Returns:
+      physical table name (`table_names`) -> `TableState`.
     """
-    return {spec.name: programs.init(self.sharded_table(spec.name, 1),
-                                     jax.random.fold_in(key, i))
-            for i, spec in enumerate(self.tables)}
+    out = {}
+    for g in self.groups:
+      keys = [jax.random.fold_in(key, i) for i in g.indices]
+      out[g.name] = programs.init(self.sharded_table(g.name, 1),
+                                  keys[0] if g.members is None
+                                  else jnp.stack(keys))
+    return out
 
   def state_from_logical(self, name: str, table, slots=None,
                          step=0) -> TableState:
@@ -163,22 +266,35 @@ class ShardedEmbedding:
       slots: slot name -> (num_rows, width), or None for initial slots.
       step: updates applied so far.
     """
+    if name not in self._groups:
+      raise InputError(
+          f"table {name!r} is stacked in {self.group_of(name).name!r}; build "
+          "per-table states with emb.unstacked().state_from_logical and "
+          "stack them with emb.from_member_states.")
     spec = self.table_spec(name)
     table, slots = validate.check_logical(spec, table, slots)
     return state_lib.state_from_logical(
-        spec, self.layout(name), self.sharding(), self.sharding(rows=False),
+        spec, self.layout(name), self.table_sharding(name),
+        self.sharding(rows=False),
         table, slots, step)
 
   def logical_table(self, tables: Mapping[str, TableState], name: str) -> np.ndarray:
     """(num_rows, dim) host copy of a table in logical row order, of the
     table's dtype. With several processes every process gets it whole."""
     return state_lib.logical_table(self.table_spec(name), self.layout(name),
-                                   tables[name])
+                                   self._member_state(tables, name))
 
   def logical_slots(self, tables: Mapping[str, TableState], name: str) -> dict[str, np.ndarray]:
     """Slot name -> (num_rows, width) host copy in logical row order."""
     return state_lib.logical_slots(self.table_spec(name), self.layout(name),
-                                   tables[name])
+                                   self._member_state(tables, name))
+
+  def _member_state(self, tables, name: str) -> TableState:
+    if name in self._groups:
+      return tables[name]
+    g = self.group_of(name)
+    return stacking_lib.member_states(g, self.num_shards, self.sharding(),
+                                      tables[g.name])[name]
 
   # -- the step ---------------------------------------------------------------
 
@@ -245,8 +361,9 @@ class ShardedEmbedding:
         each table's gradients twice (once for the norm).
 
     Returns:
-      (tables, metrics): the updated states and table name -> `TableMetrics`
-      (`grad_norm` is each table's own, unclipped norm).
+      (tables, metrics): the updated states and logical table name ->
+      `TableMetrics` (per table also when stacked; `grad_norm` is each
+      table's own, unclipped norm).
     """
     self.check_tables(tables, residuals)
     check_max_norm(max_global_norm, "max_global_norm")
@@ -271,7 +388,7 @@ class ShardedEmbedding:
       tables[name], metrics[name] = programs.apply_gradients(
           t, tables[name], residuals[name], self._feature_args(name, grads),
           gate, clip)
-    return tables, metrics
+    return tables, self.metrics_by_table(metrics)
 
 
 def _norm_of_norms(norms: Sequence[jax.Array]) -> jax.Array:

@@ -3,6 +3,7 @@
     python -m pallas_emb                       # synthetic click log, 8 CPU devices
     python -m pallas_emb --data=movielens:ml-100k/u.data --steps=2000
     python -m pallas_emb --checkpoint_dir=/tmp/run --checkpoint_every=100 --resume
+    python -m pallas_emb --workload=dlrm [--stacking=off]   # 26 Criteo-shaped tables
 
 Every categorical feature is looked up from a row-sharded table; the tables
 are trained with the fused asynchronous update (one step stale, like the
@@ -25,6 +26,7 @@ import optax
 import pallas_emb as pe
 from pallas_emb import data as data_lib
 from pallas_emb import host_memory
+from pallas_emb.data.dlrm import DlrmClickLog
 from pallas_emb.data.feed import GlobalBatches
 from pallas_emb.model import build_ranking
 from pallas_emb.train import metrics
@@ -44,7 +46,13 @@ flags.DEFINE_enum("optimizer", "rowwise_adagrad", ["rowwise_adagrad", "adagrad",
                   "Embedding optimizer (optax_adam has no fused update: it needs --noasync_emb).")
 flags.DEFINE_float("emb_learning_rate", None, "Embedding learning rate; default per optimizer.")
 flags.DEFINE_float("dense_learning_rate", 1e-3, "Adam learning rate of the MLP.")
-flags.DEFINE_integer("emb_dim", 16, "Width of every embedding table.")
+flags.DEFINE_integer("emb_dim", 16, "Width of every embedding table (--workload=dlrm: by vocabulary).")
+flags.DEFINE_enum("workload", "default", ["default", "dlrm"], "default: the tables of --data; dlrm: "
+                  "26 Criteo-shaped tables (rows capped by --dlrm_max_rows, D=16..128, "
+                  "pallas_emb.data.dlrm) with synthetic clicks.")
+flags.DEFINE_integer("dlrm_max_rows", 20_000, "--workload=dlrm: cap of every table's rows (0: Criteo's).")
+flags.DEFINE_enum("stacking", "auto", ["auto", "off"], "Store tables of equal dim and optimizer as one "
+                  "(pallas_emb.stacking) or each alone.")
 flags.DEFINE_string("checkpoint_dir", None, "Directory for orbax checkpoints.")
 flags.DEFINE_integer("checkpoint_every", 0, "Checkpoint every N steps (0: only at the end, if --checkpoint_dir).")
 flags.DEFINE_bool("resume", False, "Continue from the latest checkpoint in --checkpoint_dir.")
@@ -188,12 +196,15 @@ class _Job(NamedTuple):
 
 
 def _build(mesh) -> _Job:
-  dataset = data_lib.from_flag(FLAGS.data, seed=FLAGS.seed)
+  if FLAGS.workload == "dlrm":
+    dataset = DlrmClickLog(max_rows=FLAGS.dlrm_max_rows or None, seed=FLAGS.seed)
+  else:
+    dataset = data_lib.from_flag(FLAGS.data, seed=FLAGS.seed)
   lr = (_DEFAULT_LR[FLAGS.optimizer] if FLAGS.emb_learning_rate is None
         else FLAGS.emb_learning_rate)
   emb, model = build_ranking(dataset, mesh, emb_dim=FLAGS.emb_dim,
                              optimizer=_embedding_optimizer(FLAGS.optimizer, lr),
-                             backend=FLAGS.backend)
+                             backend=FLAGS.backend, stacking=FLAGS.stacking)
   config = pe.TrainConfig(use_async_emb=FLAGS.async_emb,
                           exact=FLAGS.exact_emb and FLAGS.async_emb)
   feeder = GlobalBatches(dataset, FLAGS.batch_size, emb.sharding())
@@ -280,10 +291,11 @@ def run(argv=()) -> dict:
     counters = restored.meta["extra"].get("counters", {})
     _log(f"resumed from step {start} of {ckpt.directory}")
 
-  _log(f"pallas_emb: {FLAGS.data}, {mesh.size} devices ({jax.process_count()} processes), "
+  _log(f"pallas_emb: {'dlrm' if FLAGS.workload == 'dlrm' else FLAGS.data}, {mesh.size} devices ({jax.process_count()} processes), "
        f"backend {emb.backend}, {'exact ' if config.exact else ''}"
        f"{'async' if config.use_async_emb else 'sync'} embedding update, "
-       f"{FLAGS.optimizer}, tables " + ", ".join(f"{t.name}:{t.num_rows}x{t.dim}" for t in emb.tables))
+       f"{FLAGS.optimizer}, tables " + ", ".join(f"{t.name}:{t.num_rows}x{t.dim}" for t in emb.tables)
+       + f" stored as {len(emb.table_names)} physical tables (--stacking={FLAGS.stacking})")
   progress = _Progress(counters)
   try:
     state, loss, initial_loss, history = _train(job, ckpt, start, progress)

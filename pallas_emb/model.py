@@ -56,13 +56,15 @@ class RankingModel:
 def build_ranking(dataset, mesh, *, emb_dim: int, optimizer,
                   backend: str | None = None, axis: str = "x",
                   hidden: tuple[int, ...] = (128, 64), dtype=jnp.float32,
-                  table_options: Mapping[str, Mapping] | None = None):
+                  table_options: Mapping[str, Mapping] | None = None,
+                  stacking="auto"):
   """The sharded tables and the MLP for a dataset's features.
 
   Args:
     dataset: a `pallas_emb.data.Dataset` (its `features` and `num_dense`).
     mesh: the device mesh; tables and batches are sharded over `axis`.
-    emb_dim: width of every table.
+    emb_dim: width of every table (unless its `table_options` give "dim",
+      or the dataset has `dims`, table name -> width).
     optimizer: the embedding optimizer of every table.
     backend: kernel backend (None: by platform).
     axis: the mesh axis.
@@ -70,6 +72,7 @@ def build_ranking(dataset, mesh, *, emb_dim: int, optimizer,
     dtype: every table's dtype.
     table_options: table name -> further `TableSpec` arguments (e.g.
       capacities).
+    stacking: `ShardedEmbedding.stacking`.
 
   Returns:
     (ShardedEmbedding, RankingModel).
@@ -77,12 +80,16 @@ def build_ranking(dataset, mesh, *, emb_dim: int, optimizer,
   from pallas_emb.embedding import ShardedEmbedding  # pylint: disable=g-import-not-at-top
   from pallas_emb.spec import FeatureSpec, TableSpec  # pylint: disable=g-import-not-at-top
   tables = {}
+  dims = getattr(dataset, "dims", {})
   for f in dataset.features:
+    options = {"dim": dims.get(f.table, emb_dim),
+               **dict((table_options or {}).get(f.table, {}))}
     tables.setdefault(f.table, TableSpec(
-        f.table, f.num_rows, emb_dim, optimizer=optimizer, dtype=dtype,
-        **dict((table_options or {}).get(f.table, {}))))
+        f.table, f.num_rows, optimizer=optimizer, dtype=dtype, **options))
   features = [FeatureSpec(f.name, f.table, f.combiner) for f in dataset.features]
-  emb = ShardedEmbedding(tuple(tables.values()), features, mesh, axis, backend)
+  emb = ShardedEmbedding(tuple(tables.values()), features, mesh, axis, backend,
+                         stacking)
   model = RankingModel(tuple(f.name for f in dataset.features),
-                       emb_dim * len(features) + dataset.num_dense, hidden)
+                       sum(tables[f.table].dim for f in features)
+                       + dataset.num_dense, hidden)
   return emb, model

@@ -20,11 +20,22 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from pallas_emb import shard_ops
+from pallas_emb import replicated_ops, shard_ops
 from pallas_emb.shard_ops import ShardedTable
 from pallas_emb.state import TableMetrics, TableResiduals, TableState, init_shard
 
 ROWS, REPLICATED = "rows", "replicated"
+
+
+def _ops(t: ShardedTable):
+  """The per-device functions of `t`: `shard_ops`, or `replicated_ops` for a
+  table stored whole on every device."""
+  return replicated_ops if t.replicated else shard_ops
+
+
+def _stored(t: ShardedTable) -> str:
+  """How the table and slots of `t` are placed."""
+  return REPLICATED if t.replicated else ROWS
 
 
 def per_device(t: ShardedTable, fn: Callable, in_specs: Sequence[str],
@@ -63,19 +74,23 @@ def per_device(t: ShardedTable, fn: Callable, in_specs: Sequence[str],
 
 @functools.partial(jax.jit, static_argnums=0)
 def init(t: ShardedTable, key: jax.Array) -> TableState:
-  """The initial state of `t`; each device generates only its rows."""
+  """The initial state of `t`; each device generates only its rows.
+
+  `key`: a PRNG key, or of a stack one per member, (M,) (see `init_shard`).
+  """
 
   def fn(k):
-    return init_shard(t.spec, t.layout, k, jax.lax.axis_index(t.axis))
+    shard = 0 if t.replicated else jax.lax.axis_index(t.axis)
+    return init_shard(t.spec, t.layout, k, shard, t.members)
 
-  table, slots = per_device(t, fn, [REPLICATED], ROWS)(key)
+  table, slots = per_device(t, fn, [REPLICATED], _stored(t))(key)
   return TableState(table, slots, jnp.zeros((), jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def plan(t: ShardedTable, feature_ids: tuple[jax.Array, ...]) -> TableResiduals:
   """The residuals of a lookup of (B, L) ids per feature, reading no row."""
-  fn = lambda *ids: shard_ops.plan_shard(t, ids)
+  fn = lambda *ids: _ops(t).plan_shard(t, ids)
   return per_device(t, fn, [ROWS] * len(feature_ids), ROWS)(*feature_ids)
 
 
@@ -83,8 +98,8 @@ def plan(t: ShardedTable, feature_ids: tuple[jax.Array, ...]) -> TableResiduals:
 def lookup(t: ShardedTable, table: jax.Array,
            feature_ids: tuple[jax.Array, ...]):
   """-> (per-feature outputs, `TableResiduals`); see `shard_ops.lookup_shard`."""
-  fn = lambda table, *ids: shard_ops.lookup_shard(t, table, ids)
-  return per_device(t, fn, [ROWS] * (1 + len(feature_ids)), ROWS)(
+  fn = lambda table, *ids: _ops(t).lookup_shard(t, table, ids)
+  return per_device(t, fn, [_stored(t)] + [ROWS] * len(feature_ids), ROWS)(
       table, *feature_ids)
 
 
@@ -101,12 +116,13 @@ def _update(t: ShardedTable, state: TableState, res: TableResiduals, gate,
             grads: tuple[jax.Array, ...], token_grads_of: Callable,
             clip=None):
   def fn(table, slots, step, res, gate, clip, *grads):
-    return shard_ops.update_shard(t, table, slots, step, res,
-                                  token_grads_of(res, grads), gate, clip)
+    return _ops(t).update_shard(t, table, slots, step, res,
+                                token_grads_of(res, grads), gate, clip)
 
+  stored = _stored(t)
   table, slots, step, metrics = per_device(
-      t, fn, [ROWS, ROWS, REPLICATED, ROWS, REPLICATED, REPLICATED]
-      + [ROWS] * len(grads), (ROWS, ROWS, REPLICATED, REPLICATED))(
+      t, fn, [stored, stored, REPLICATED, ROWS, REPLICATED, REPLICATED]
+      + [ROWS] * len(grads), (stored, stored, REPLICATED, REPLICATED))(
           state.table, state.slots, state.step, res,
           jnp.asarray(gate, jnp.bool_), clip, *grads)
   return TableState(table, slots, step), metrics
@@ -132,7 +148,7 @@ def grad_norm(t: ShardedTable, res: TableResiduals,
               feature_grads: tuple[jax.Array, ...]) -> jax.Array:
   """The () global norm of the summed row gradients the update would apply."""
   def fn(res, *grads):
-    return shard_ops.grad_norm_shard(
+    return _ops(t).grad_norm_shard(
         t, res, shard_ops.token_grads_shard(t, res.weights, grads))
   return per_device(t, fn, [ROWS] + [ROWS] * len(feature_grads), REPLICATED)(
       res, *feature_grads)
@@ -152,5 +168,5 @@ def apply_token_gradients(t: ShardedTable, state: TableState,
 def empty_residuals(t: ShardedTable, tokens_per_shard: int
                     ) -> tuple[TableResiduals, jax.Array]:
   """Residuals and zero token gradients of a batch that routes nothing."""
-  fn = lambda: shard_ops.empty_shard(t, tokens_per_shard)
+  fn = lambda: _ops(t).empty_shard(t, tokens_per_shard)
   return per_device(t, fn, [], ROWS)()

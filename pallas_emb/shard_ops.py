@@ -22,9 +22,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from pallas_emb import kernels, pooling
+from pallas_emb import kernels, members as members_lib, pooling
 from pallas_emb.capacity import Capacities
 from pallas_emb.kernels.backend import platform_of
+from pallas_emb.members import Members
 from pallas_emb.spec import FeatureSpec, TableSpec
 from pallas_emb.state import TableMetrics, TableResiduals
 from pallas_emb.tokens import concat_tokens, split_tokens
@@ -46,6 +47,11 @@ class ShardedTable:
     mesh: the device mesh.
     axis: the mesh axis rows and data are sharded over.
     backend: "pallas", "interpret" or "xla".
+    members: the member tables when this is a stack of several (see
+      `pallas_emb.members`): then the counts of `TableResiduals` and every
+      field of `TableMetrics` are per member, (M,).
+    replicated: stored whole on every device (`layout` has one shard) and
+      stepped by `pallas_emb.replicated_ops` instead.
   """
 
   spec: TableSpec
@@ -55,6 +61,8 @@ class ShardedTable:
   mesh: Mesh
   axis: str
   backend: str
+  members: Members | None = None
+  replicated: bool = False
 
   @property
   def name(self) -> str:
@@ -73,28 +81,49 @@ class ShardedTable:
 
 # -- lookup -----------------------------------------------------------------------
 
-def _route(t: ShardedTable, blocks: Sequence) -> tuple[Unique, RoutePlan]:
+def _route(t: ShardedTable, blocks: Sequence):
   """Dedup and routing of this device's ids of every feature of `t`.
 
   An id got a row iff `plan.token_slot >= 0`: it is in range, and was not
   dropped for unique or route capacity (an owner never drops one: its
   capacity covers all it can receive). Ragged ids past a shard's capacity
   count as unique-capacity overflow.
+
+  Returns:
+    (unique, plan, counts): `counts` are a stack's per-member (invalid,
+    unique, overflow, route demand), None for a table alone.
   """
   caps = t.capacities
   ids, dropped = zip(*(pooling.token_ids(x) for x in blocks))
+  if t.members is not None:
+    ids, invalid = members_lib.remap_ids(t.members, ids)
   unique = dedup(jnp.concatenate(ids), t.layout, caps.unique, t.dedup_method)
-  unique = unique._replace(num_overflow=unique.num_overflow + sum(dropped))
   plan = plan_route(unique, rows_per_shard=t.layout.rows_per_shard,
                     num_shards=t.num_shards, route_capacity=caps.route,
                     owner_capacity=caps.owner, axis_name=t.axis,
                     method=t.dedup_method)
-  return unique, plan
+  if t.members is None:
+    unique = unique._replace(num_overflow=unique.num_overflow + sum(dropped))
+    return unique, plan, None
+  num_unique, overflow, demand = members_lib.source_counts(
+      t.members, t.layout, unique, plan)
+  for member, d in zip(t.members.feature_member, dropped):
+    overflow = overflow.at[member].add(d)
+  return unique, plan, (invalid, num_unique, overflow, demand)
 
 
-def _residuals(unique: Unique, plan: RoutePlan, weights) -> TableResiduals:
-  # Per-device scalars get a leading axis, so that shard_map concatenates
-  # them into (S,) arrays.
+def make_residuals(unique: Unique, plan: RoutePlan, weights,
+               counts=None) -> TableResiduals:
+  """`counts`: per-member (invalid, unique, overflow, route demand) of a
+  stacked table, which replace the scalars."""
+  if counts is not None:
+    invalid, num_unique, overflow, demand = counts
+    unique = unique._replace(num_invalid=invalid, num_unique=num_unique,
+                             num_overflow=overflow)
+    plan = plan._replace(route_demand=demand,
+                         num_overflow=jnp.zeros_like(overflow))
+  # Per-device values get a leading axis, so that shard_map concatenates
+  # them into (S,) (or (S, M)) arrays.
   return TableResiduals(
       weights=tuple(weights),
       plan=plan._replace(**{f: getattr(plan, f)[None] for f in PLAN_SCALARS}),
@@ -103,8 +132,9 @@ def _residuals(unique: Unique, plan: RoutePlan, weights) -> TableResiduals:
       num_unique=unique.num_unique[None])
 
 
-def _pool_all(t: ShardedTable, blocks: Sequence, rows: jax.Array,
-              has_row: jax.Array):
+def pool_all(t: ShardedTable, blocks: Sequence, rows: jax.Array,
+             has_row: jax.Array):
+  """Every feature's (output, residual weights) from its token rows."""
   shapes = [pooling.token_shape(x) for x in blocks]
   return zip(*(pooling.pool(x, r, v, f.combiner) for f, x, r, v in zip(
       t.features, blocks, split_tokens(rows, shapes),
@@ -118,10 +148,10 @@ def plan_shard(t: ShardedTable, blocks: Sequence) -> TableResiduals:
     blocks: per feature of `t`, this device's block of its input: (b, L)
       int32 ids, or a `Weighted` or `Ragged` block (`pallas_emb.inputs`).
   """
-  unique, plan = _route(t, blocks)
+  unique, plan, counts = _route(t, blocks)
   has_row = plan.token_slot >= 0
-  _, weights = _pool_all(t, blocks, jnp.zeros(has_row.shape + (0,)), has_row)
-  return _residuals(unique, plan, weights)
+  _, weights = pool_all(t, blocks, jnp.zeros(has_row.shape + (0,)), has_row)
+  return make_residuals(unique, plan, weights, counts)
 
 
 def lookup_shard(t: ShardedTable, table: jax.Array, blocks: Sequence):
@@ -138,7 +168,7 @@ def lookup_shard(t: ShardedTable, table: jax.Array, blocks: Sequence):
     (b, L, dim) (sequence), zero for ids without a row; this device's
     `TableResiduals`.
   """
-  unique, plan = _route(t, blocks)
+  unique, plan, counts = _route(t, blocks)
   # Owners read the rows of the slots they received (one read per source
   # that asked), and each id takes its slot's row.
   slot_rows = kernels.gather(table, plan.recv_rows, dtype=t.spec.dtype,
@@ -146,8 +176,8 @@ def lookup_shard(t: ShardedTable, table: jax.Array, blocks: Sequence):
   rows = from_owners(plan, slot_rows, axis_name=t.axis,
                      take=lambda x, idx: kernels.gather(
                          x, idx, dtype=jnp.float32, backend=t.backend))
-  outs, weights = _pool_all(t, blocks, rows, plan.token_slot >= 0)
-  return outs, _residuals(unique, plan, weights)
+  outs, weights = pool_all(t, blocks, rows, plan.token_slot >= 0)
+  return outs, make_residuals(unique, plan, weights, counts)
 
 
 def empty_shard(t: ShardedTable, tokens_per_shard: int
@@ -162,7 +192,10 @@ def empty_shard(t: ShardedTable, tokens_per_shard: int
   plan = empty_plan(num_ids=tokens_per_shard, num_shards=t.num_shards,
                     route_capacity=caps.route, owner_capacity=caps.owner)
   grads = jnp.zeros((tokens_per_shard, t.spec.dim), jnp.float32)
-  return _residuals(unique, plan, ()), grads
+  counts = None
+  if t.members is not None:
+    counts = (jnp.zeros((t.members.count,), jnp.int32),) * 4
+  return make_residuals(unique, plan, (), counts), grads
 
 
 # -- update -----------------------------------------------------------------------
@@ -176,8 +209,8 @@ def token_grads_shard(t: ShardedTable, weights: Sequence[jax.Array],
 
 def grad_norm_shard(t: ShardedTable, res: TableResiduals,
                     token_grads: jax.Array) -> jax.Array:
-  """The table's global gradient norm alone (what `update_shard` reports as
-  `grad_norm`), for a clipping norm over several tables."""
+  """The global norm of all the summed row gradients the update would apply
+  (of a stack: over every member), for a clipping norm over several tables."""
   return _global_norm(to_owners(res.plan, token_grads, axis_name=t.axis),
                       t.axis)
 
@@ -195,18 +228,22 @@ def _global_norm(x: jax.Array, axis: str) -> jax.Array:
   sq = jax.lax.psum(jnp.sum(x * x), axis)
 
   def rescaled():
-    peak = jax.lax.pmax(jnp.max(jnp.abs(x), initial=0.0), axis)
-    # That power of two is the exponent bits of `peak` alone: exact, unlike
-    # float32 exp2/log2, which flush to zero near the smallest normal.
-    scale = jax.lax.bitcast_convert_type(
-        jax.lax.bitcast_convert_type(peak, jnp.uint32)
-        & jnp.uint32(0x7F800000), jnp.float32)
-    scale = jnp.where(jnp.isfinite(peak) & (scale > 0), scale, 1.0)
+    scale = members_lib.pow2_floor(
+        jax.lax.pmax(jnp.max(jnp.abs(x), initial=0.0), axis))
     scaled = x / scale
     return scale * jnp.sqrt(jax.lax.psum(jnp.sum(scaled * scaled), axis))
 
   safe = jnp.isfinite(sq) & (sq > 2.0 ** -60)
   return jax.lax.cond(safe, lambda: jnp.sqrt(sq), rescaled)
+
+
+def clip_scale(norm: jax.Array, clip) -> tuple[jax.Array, jax.Array]:
+  """(scale, finite) of a clipping (max_norm, clip_norm), see
+  `update_shard`: max_norm / clip_norm where that is below 1, else 1."""
+  max_norm, clip_norm = clip
+  finite = jnp.isfinite(clip_norm)
+  return jnp.where(clip_norm > max_norm,
+                   max_norm / jnp.where(finite, clip_norm, 1.0), 1.0), finite
 
 
 def update_shard(t: ShardedTable, table, slots, step, res: TableResiduals,
@@ -223,30 +260,53 @@ def update_shard(t: ShardedTable, table, slots, step, res: TableResiduals,
       several tables: the gradients are scaled by max_norm / norm when norm
       exceeds max_norm (and nothing is written if norm is not finite).
       Without it the table's own `max_grad_norm` (if any) clips by its own
-      norm.
+      norm (each member of a stack by its own).
 
   Returns:
     (table, slots, step, TableMetrics): nothing is written, and the step
     does not advance, unless the global gradient norm is finite, `gate` is
     True and some id has a row (an update with no rows, e.g. a batch of
-    padding, is nothing to apply).
+    padding, is nothing to apply). Of a stack, each member is gated alone
+    (its metrics are (M,)); the stack's one step advances when any member
+    is applied.
   """
   owner_grads = to_owners(res.plan, token_grads, axis_name=t.axis)
-  norm = _global_norm(owner_grads, t.axis)
-  psum = lambda x: jax.lax.psum(jnp.sum(x), t.axis)
-  pmax = lambda x: jax.lax.pmax(jnp.max(x), t.axis)
-  unique_ids = psum(res.plan.num_owner_unique)
-  apply = jnp.isfinite(norm) & gate & (unique_ids > 0)
-  if clip is None and t.spec.max_grad_norm is not None:
-    clip = (jnp.float32(t.spec.max_grad_norm), norm)
-  if clip is not None:
-    max_norm, clip_norm = clip
-    apply &= jnp.isfinite(clip_norm)
-    owner_grads = owner_grads * jnp.where(
-        clip_norm > max_norm, max_norm / jnp.where(apply, clip_norm, 1.0), 1.0)
+  # Per-device counts arrive as (1,) or, per member, (1, M).
+  psum = lambda x: jax.lax.psum(jnp.sum(x, axis=0), t.axis)
+  pmax = lambda x: jax.lax.pmax(jnp.max(x, axis=0), t.axis)
+  rows, owner_demand = res.plan.owner_rows, res.plan.owner_demand
+  own_clip = clip is None and t.spec.max_grad_norm is not None
+  if t.members is None:
+    norm = _global_norm(owner_grads, t.axis)
+    unique_ids = psum(res.plan.num_owner_unique)
+    apply = jnp.isfinite(norm) & gate & (unique_ids > 0)
+    if own_clip:
+      clip = (jnp.float32(t.spec.max_grad_norm), norm)
+    if clip is not None:
+      scale, finite = clip_scale(norm, clip)
+      owner_grads, apply = owner_grads * scale, apply & finite
+    write = apply
+  else:
+    n = t.members.count
+    member = members_lib.member_of_local(t.members, t.layout, rows,
+                                         jax.lax.axis_index(t.axis))
+    owner_demand = members_lib.count(member, n)[None]
+    norm = members_lib.global_norms(owner_grads, member, n, t.axis)
+    unique_ids = psum(owner_demand)
+    apply = jnp.isfinite(norm) & gate & (unique_ids > 0)
+    if own_clip:  # every member shares max_grad_norm (`stacking.stack_key`)
+      clip = (jnp.float32(t.spec.max_grad_norm), norm)
+    if clip is not None:
+      scale, finite = clip_scale(norm, clip)
+      per_row = jnp.concatenate([jnp.broadcast_to(scale, (n,)), jnp.ones((1,))])
+      owner_grads = owner_grads * per_row[member][:, None]
+      apply &= finite
+    rows, owner_grads = members_lib.keep_rows(
+        rows, owner_grads, jnp.concatenate([apply, jnp.zeros((1,), bool)])[member])
+    write = jnp.any(apply)
   opt = t.spec.optimizer
   table, slots = kernels.fused_update(
-      table, slots, res.plan.owner_rows, owner_grads, opt.scalars(step), apply,
+      table, slots, rows, owner_grads, opt.scalars(step), write,
       optimizer=opt, dtype=t.spec.dtype,
       backend=t.backend if opt.runs_in_kernel else "xla")
   metrics = TableMetrics(
@@ -256,5 +316,5 @@ def update_shard(t: ShardedTable, table, slots, step, res: TableResiduals,
       grad_norm=norm, applied=apply,
       max_unique_per_shard=pmax(res.num_unique),
       max_ids_per_route=pmax(res.plan.route_demand),
-      max_rows_per_owner=pmax(res.plan.owner_demand))
-  return table, slots, step + apply.astype(jnp.int32), metrics
+      max_rows_per_owner=pmax(owner_demand))
+  return table, slots, step + write.astype(jnp.int32), metrics

@@ -64,6 +64,10 @@ class TableSpec:
       scaled by max_grad_norm / norm. A non-finite norm still skips the
       update. For one norm over all tables, see
       `ShardedEmbedding.apply_gradients(max_global_norm=...)`.
+    placement: "sharded" (rows over the mesh axis), "replicated" (the whole
+      table on every device, updated without all_to_all, see
+      `pallas_emb.replicated_ops`; for small tables), or "auto": replicated
+      below `ShardedEmbedding.replicate_below` rows, else sharded.
   """
 
   name: str
@@ -76,6 +80,7 @@ class TableSpec:
   unique_capacity: int | None = None
   route_capacity: int | None = None
   max_grad_norm: float | None = None
+  placement: Literal["auto", "sharded", "replicated"] = "auto"
 
   def __post_init__(self):
     owner = f"TableSpec({self.name!r})"
@@ -107,6 +112,9 @@ class TableSpec:
     if self.layout not in ("mod", "range"):
       raise SpecError(f"{owner}: layout must be 'mod' or 'range', got "
                       f"{self.layout!r}.")
+    if self.placement not in ("auto", "sharded", "replicated"):
+      raise SpecError(f"{owner}: placement must be 'auto', 'sharded' or "
+                      f"'replicated', got {self.placement!r}.")
     for field in ("unique_capacity", "route_capacity"):
       check_int(getattr(self, field), f"{owner}: {field}", error=SpecError,
                 optional=True, fix="None is the default (see TableSpec).")

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_emb import packing
+from pallas_emb import members as members_lib, packing
 from pallas_emb.spec import TableSpec
 from sharding.layout import RowLayout
 from sharding.route import RoutePlan
@@ -90,18 +90,24 @@ class TableMetrics(NamedTuple):
 
 
 def init_shard(spec: TableSpec, layout: RowLayout, key: jax.Array,
-               shard: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+               shard: jax.Array, members=None
+               ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """This device's stored rows and initial slots (inside `shard_map`).
 
   Row r is `spec.initializer(fold_in(key, r))`, whatever shard holds it, so
   the initial table does not depend on the shard count or layout. Rows are
-  generated a chunk at a time, which bounds the temporaries.
+  generated a chunk at a time, which bounds the temporaries. Of a stack
+  (`members`, a `pallas_emb.members.Members`), `key` holds one key per
+  member and each member's rows are those it would have alone.
   """
   rps = layout.rows_per_shard
   width = packing.storage_width(spec.dim, spec.dtype)
 
   def generate(start, size):
     logical = layout.logical_of(shard * rps + start + jnp.arange(size))
+    if members is not None:
+      return packing.pack_rows(members_lib.init_rows(
+          members, spec.initializer, key, logical, spec.dim), spec.dtype)
     keys = jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.maximum(logical, 0))
     rows = jax.vmap(lambda k: spec.initializer(k, (spec.dim,), jnp.float32))(keys)
     rows = jnp.where(logical[:, None] >= 0, rows.astype(jnp.float32), 0.0)

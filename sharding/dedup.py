@@ -46,7 +46,8 @@ class Unique(NamedTuple):
     order: (n,) int32 input position of each key in ascending order, or
       None ("sort" only: what lets routing scatter per-input results back
       instead of gathering them).
-    sorted_keys: (n,) int32 the inputs' keys in that order, or None.
+    sorted_keys: (n,) int32 the inputs' keys ascending (both methods sort
+      them; per-segment counts of distinct keys read them).
     sorted_slot: (n,) int32 slot of each input in that order, -1 if none,
       or None ("sort" only).
   """
@@ -113,7 +114,7 @@ def unique_keys(keys: jax.Array, capacity: int, method: str = "search") -> Uniqu
       num_overflow=jnp.maximum(num_unique - capacity, 0),
       num_invalid=jnp.zeros((), jnp.int32),
       order=order,
-      sorted_keys=None if order is None else sorted_keys,
+      sorted_keys=sorted_keys,
       sorted_slot=sorted_slot,
   )
 

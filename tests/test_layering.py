@@ -17,7 +17,8 @@ SPARSE = KERNELS + OPTIMIZERS + (
     "pallas_emb.spec", "pallas_emb.capacity", "pallas_emb.state",
     "pallas_emb.tokens", "pallas_emb.shard_ops", "pallas_emb.programs",
     "pallas_emb.validate", "pallas_emb.ids", "pallas_emb.inputs",
-    "pallas_emb.pooling", "pallas_emb.embedding")
+    "pallas_emb.pooling", "pallas_emb.embedding", "pallas_emb.members",
+    "pallas_emb.stacking", "pallas_emb.replicated_ops")
 ALLOWED = {
     "sharding": (),
     "pallas_emb.errors": ("pallas_emb", "pallas_emb.errors"),
@@ -28,6 +29,7 @@ ALLOWED = {
     "pallas_emb.kernels": KERNELS,
     "pallas_emb.kernels.xla": KERNELS,
     "pallas_emb.optimizers": OPTIMIZERS,
+    "pallas_emb.members": ("pallas_emb", "pallas_emb.members"),
     "pallas_emb.embedding": SPARSE,
     "pallas_emb.async_emb": SPARSE + ("pallas_emb.async_emb",),
 }

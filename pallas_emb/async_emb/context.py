@@ -246,15 +246,20 @@ def make_context_handle(
 
 def context_handles(emb: ShardedEmbedding, ids: Mapping[str, Any], *,
                     backend: str | None = None) -> dict[str, AsyncEmbContextHandle]:
-  """One context per looked-up table of `emb`, sized for batches like `ids`,
-  with the same capacities as `emb`'s synchronous lookup."""
+  """One context per looked-up physical table of `emb` (a stack of tables
+  has one), sized for batches like `ids`, with the same capacities as
+  `emb`'s synchronous lookup."""
   handles = {}
   for i, (name, per_shard) in enumerate(emb.check_ids(ids).items()):
     spec = emb.table_spec(name)
-    handles[name] = make_context_handle(
+    handle = make_context_handle(
         emb.mesh, emb.axis, data_axis=emb.axis,
         tokens_per_batch=per_shard * emb.num_shards, emb_width=spec.dim,
         num_unique=emb.sharded_table(name, per_shard).capacities.unique,
         table=spec, features=emb.features_of(name),
         backend=backend or emb.backend, context_id=i)
+    # A stack keeps its members and a replicated table its placement (the
+    # handle's own embedding sees one plain table); the capacities agree.
+    handles[name] = dataclasses.replace(
+        handle, sharded_table=emb.sharded_table(name, per_shard))
   return handles

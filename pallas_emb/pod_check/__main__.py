@@ -27,7 +27,11 @@ def _parse(argv):
   p.add_argument("--topology", default="v5e:2x2",
                  help="comma-separated TPU topologies (v5e:2x2, v6e:2x2, "
                       "v5p:2x2x1, v5e:4x4, ...)")
-  p.add_argument("--workload", default="main", choices=["main", "w_tpu"],
+  p.add_argument("--stacking", default="auto", choices=["auto", "off"],
+                 help="table stacking (pallas_emb.stacking)")
+  p.add_argument("--dlrm_max_rows", type=int, default=20_000,
+                 help="--workload=dlrm: cap of every table's rows (0: Criteo's)")
+  p.add_argument("--workload", default="main", choices=["main", "w_tpu", "dlrm"],
                  help="main: the main job's model; w_tpu: one item table "
                       "read by `item` (1 id) and `history` (20 ids)")
   p.add_argument("--pipelines", default="async,exact",
@@ -92,9 +96,11 @@ def main(argv=None) -> int:
                             ("route_capacity", args.route_capacity)) if v}
   import pallas_emb as pe  # pylint: disable=g-import-not-at-top
   kw = dict(dtype=jnp.dtype(args.dtype), examples_per_chip=args.examples_per_chip,
-            optimizer=OPTIMIZERS[args.optimizer](pe))
+            optimizer=OPTIMIZERS[args.optimizer](pe), stacking=args.stacking)
   if args.workload == "w_tpu":
     workload = compile_lib.w_tpu(args.vocab, args.dim or 128, **kw)
+  elif args.workload == "dlrm":
+    workload = compile_lib.dlrm(args.dlrm_max_rows or None, **kw)
   else:
     workload = compile_lib.main_job(args.dim or 16, **kw)
   if caps:

@@ -54,6 +54,8 @@ class Workload:
     optimizer: the embedding optimizer of every table.
     table_options: table name -> further `TableSpec` arguments (capacities).
     backend: the kernels' backend (None: "pallas" on a TPU mesh).
+    dims: table name -> width, where not `emb_dim`.
+    stacking: `ShardedEmbedding.stacking`.
   """
 
   name: str
@@ -66,6 +68,8 @@ class Workload:
   optimizer: Any = None
   table_options: Mapping[str, Mapping] = dataclasses.field(default_factory=dict)
   backend: str | None = None
+  dims: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  stacking: Any = "auto"
 
 
 def w_tpu(vocab: int = 1_000_000, dim: int = 128, **kw) -> Workload:
@@ -83,7 +87,15 @@ def main_job(emb_dim: int = 16, **kw) -> Workload:
                   num_dense=data.num_dense, **kw)
 
 
-WORKLOADS = {"w_tpu": w_tpu, "main": main_job}
+def dlrm(max_rows: int | None = 20_000, **kw) -> Workload:
+  """26 Criteo-shaped tables, D=16..128 (`pallas_emb.data.dlrm`)."""
+  from pallas_emb.data.dlrm import DlrmClickLog  # pylint: disable=g-import-not-at-top
+  data = DlrmClickLog(max_rows=max_rows)
+  return Workload("dlrm", data.features, emb_dim=16, num_dense=data.num_dense,
+                  dims=data.dims, **kw)
+
+
+WORKLOADS = {"w_tpu": w_tpu, "main": main_job, "dlrm": dlrm}
 
 
 def topology_mesh(topology: str) -> Mesh:
@@ -128,7 +140,7 @@ def build(topology: str, workload: Workload, pipeline: str = "async"):
   emb, model = build_ranking(
       workload, mesh, emb_dim=workload.emb_dim, optimizer=opt,
       hidden=workload.hidden, dtype=workload.dtype, backend=workload.backend,
-      table_options=workload.table_options)
+      table_options=workload.table_options, stacking=workload.stacking)
   batch_size = workload.examples_per_chip * mesh.size
   rows = NamedSharding(mesh, P(AXIS))
   sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=rows)
@@ -207,7 +219,7 @@ def compile_step(topology: str, workload: Workload, *,
     with open(hlo_path, "w") as f:
       f.write(text)
   tables = {}
-  for spec in emb.tables:
+  for spec in map(emb.table_spec, emb.table_names):  # physical tables
     rps = emb.layout(spec.name).rows_per_shard
     table_bytes, slot_bytes = _state_bytes(spec, rps)
     shapes = {(rps, packing.storage_width(spec.dim, spec.dtype))} | {
@@ -226,6 +238,7 @@ def compile_step(topology: str, workload: Workload, *,
       "topology": topology, "chips": int(emb.mesh.size),
       "device_kind": emb.mesh.devices.flat[0].device_kind,
       "workload": workload.name, "pipeline": pipeline,
+      "stacking": str(emb.stacking), "physical_tables": len(emb.table_names),
       "examples_per_chip": workload.examples_per_chip,
       "ids_per_chip": sum(workload.examples_per_chip * f.bag_size
                           for f in workload.features),
@@ -248,6 +261,7 @@ def compile_step(topology: str, workload: Workload, *,
 
 
 def _capacities(emb, spec: TableSpec, workload: Workload):
-  tokens = sum(workload.examples_per_chip * f.bag_size
-               for f in workload.features if f.table == spec.name)
+  bags = {f.name: f.bag_size for f in workload.features}
+  tokens = sum(workload.examples_per_chip * bags[f.name]
+               for f in emb.features_of(spec.name))
   return emb.sharded_table(spec.name, tokens).capacities

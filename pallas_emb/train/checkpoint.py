@@ -5,11 +5,15 @@ optimizer state and the step, a checkpoint holds the deferred embedding
 gradient of the async pipeline (the reference flushes it before a checkpoint
 and never saves it). Nothing saved depends on the device count:
 
-* tables and slots are saved in their physical layout together with it, and
-  restored through `RowLayout.reshard` when the shard count changed;
-* the pending gradient is saved per feature, as (B, L, dim) token gradients
-  in batch order, not in the per-device order of the routing; so are the
-  embeddings of the started lookup (B, dim) or (B, L, dim);
+* tables and slots are saved per logical table, each in the physical layout
+  it would have alone (whether or not it is stacked with others, see
+  `pallas_emb.stacking`) together with that layout, and restored through
+  `RowLayout.reshard` when the shard count changed: a checkpoint restores
+  with stacking on or off and under any grouping;
+* the pending gradient is saved per logical table and feature, as (B, L,
+  dim) token gradients in batch order, not in the per-device order of the
+  routing; so are the embeddings of the started lookup (B, dim) or (B, L,
+  dim);
 * routing plans are not saved: they are functions of the ids, so restore
   plans them again on its own mesh from the batches at the data position,
   which the caller supplies.
@@ -64,6 +68,19 @@ def _table_dict(ts: TableState) -> dict:
 
 def _abstract(x) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+
+def _members(trainer: Trainer, name: str) -> tuple[str, ...]:
+  """The logical tables stored in physical table `name`."""
+  return next(tuple(t.name for t in g.tables) for g in trainer.emb.groups
+              if g.name == name)
+
+
+def _per_table(trainer: Trainer, name: str, per_feature: Mapping) -> dict:
+  """Feature -> value of physical table `name` -> logical table ->
+  feature -> value."""
+  return {t: {f.name: per_feature[f.name] for f in trainer.emb.features_of(t)}
+          for t in _members(trainer, name)}
 
 
 def _optimizer_meta(opt) -> dict:
@@ -130,17 +147,20 @@ class Checkpointer:
     """
     tr = self.trainer
     step = int(jax.device_get(state.step))
-    pending = {}
+    pending, lookup_acts = {}, {}
     for name, ctx in tr.contexts:
       names, shapes = _token_layout(ctx, batch_shapes)
-      pending[name] = {"pending": state.pending[name].pending,
-                       "grads": _to_features(state.pending[name].grads, names,
-                                             shapes, ctx.group_size)}
-    # The started lookup's embeddings are saved rather than recomputed on
-    # restore, so a resumed run is bit-identical whatever XLA fuses them into.
-    lookup_acts = {name: dict(state.lookups[name].acts) for name, _ in tr.contexts}
+      grads = _to_features(state.pending[name].grads, names, shapes,
+                           ctx.group_size)
+      pending.update((t, {"pending": state.pending[name].pending, "grads": g})
+                     for t, g in _per_table(tr, name, grads).items())
+      # The started lookup's embeddings are saved rather than recomputed on
+      # restore, so a resumed run is bit-identical whatever XLA fuses them
+      # into.
+      lookup_acts.update(_per_table(tr, name, state.lookups[name].acts))
     item = {"params": state.params, "opt_state": state.opt_state,
-            "tables": {k: _table_dict(v) for k, v in state.tables.items()},
+            "tables": {k: _table_dict(v) for k, v in
+                       tr.emb.member_states(state.tables).items()},
             "pending": pending, "lookup_acts": lookup_acts, "step": state.step}
     meta = {"step": step, "num_shards": tr.emb.num_shards,
             "tables": {t.name: {"num_rows": t.num_rows, "dim": t.dim,
@@ -210,8 +230,9 @@ class Checkpointer:
         log.warning("checkpoint step %d in %s is not intact, skipped: %s",
                     s, self.directory, e)
         continue
-      tables = {name: self._table(name, meta, d)
-                for name, d in item["tables"].items()}
+      tables = self.trainer.emb.from_member_states(
+          {name: self._table(name, meta, d)
+           for name, d in item["tables"].items()})
       pending, lookups = self._pipeline(tables, item, meta, batch_at, s)
       if self.dir.writable:
         for bad, _ in skipped:
@@ -229,14 +250,14 @@ class Checkpointer:
     """The saved layout of table `name`, or None if it is this trainer's."""
     info = meta["tables"][name]
     old = RowLayout(info["num_rows"], meta["num_shards"], info["layout"])
-    return None if old == self.trainer.emb.layout(name) else old
+    return None if old == self.trainer.emb.logical_layout(name) else old
 
   def _target(self, template: TrainState, meta: dict) -> dict:
     """What orbax restores into: this mesh's shardings where the layout is
     unchanged, host arrays of the saved layout where it changed."""
     tr = self.trainer
     tables = {}
-    for name, ts in template.tables.items():
+    for name, ts in tr.emb.member_states(template.tables).items():
       old = self._old_layout(name, meta)
       if old is None:
         tables[name] = jax.tree.map(_abstract, _table_dict(ts))
@@ -250,22 +271,22 @@ class Checkpointer:
               old.num_physical_rows, spec.dim, old.rows_per_shard), v.dtype)
                     for k, v in ts.slots.items()},
           "step": np.zeros((), np.int32)}
-    pending = {}
+    pending, lookup_acts = {}, {}
     for name, ctx in tr.contexts:
       names, shapes = _token_layout(ctx, meta["batch_shapes"])
-      pending[name] = {
-          "pending": jax.ShapeDtypeStruct(
-              (), jnp.bool_, sharding=tr.emb.sharding(rows=False)),
-          "grads": {n: jax.ShapeDtypeStruct((*shape, ctx.emb_width),
-                                            jnp.float32,
-                                            sharding=tr.emb.sharding())
-                    for n, shape in zip(names, shapes)}}
+      grads = {n: jax.ShapeDtypeStruct((*shape, ctx.emb_width), jnp.float32,
+                                       sharding=tr.emb.sharding())
+               for n, shape in zip(names, shapes)}
+      flag = jax.ShapeDtypeStruct((), jnp.bool_,
+                                  sharding=tr.emb.sharding(rows=False))
+      pending.update((t, {"pending": flag, "grads": g})
+                     for t, g in _per_table(tr, name, grads).items())
+      lookup_acts.update(_per_table(tr, name, jax.tree.map(
+          _abstract, dict(template.lookups[name].acts))))
     return {"params": jax.tree.map(_abstract, template.params),
             "opt_state": jax.tree.map(_abstract, template.opt_state),
             "tables": tables, "pending": pending,
-            "lookup_acts": {name: jax.tree.map(_abstract,
-                                               dict(template.lookups[name].acts))
-                            for name, _ in tr.contexts},
+            "lookup_acts": lookup_acts,
             "step": _abstract(template.step)}
 
   def _table(self, name: str, meta: dict, d: dict) -> TableState:
@@ -274,7 +295,7 @@ class Checkpointer:
     if old is None:
       return TableState(d["table"], dict(d["slots"]), d["step"])
     emb = self.trainer.emb
-    new = emb.layout(name)
+    new = emb.logical_layout(name)
     slots = state_lib.reshard_slots(emb.table_spec(name), old, new, d["slots"])
     return TableState(
         jax.device_put(old.reshard(np.asarray(d["table"]), new), emb.sharding()),
@@ -294,19 +315,24 @@ class Checkpointer:
       return pending, lookups
     pending_batch, next_batch = batch_at(step - 1), batch_at(step)
     for name, ctx in tr.contexts:
+      members = _members(tr, name)
       started = async_emb.lookup_start(
           ctx, tables[name].table, ctx.table_inputs(next_batch["ids"]))
-      lookups[name] = started._replace(acts=dict(item["lookup_acts"][name]))
+      lookups[name] = started._replace(acts={
+          k: v for t in members for k, v in item["lookup_acts"][t].items()})
       if tr.config.exact or step == 0:
         pending[name] = async_emb.empty_gradient_update(ctx)
         continue
-      saved = item["pending"][name]
+      # The members of a stack were saved with the same pending flag.
+      flag = item["pending"][members[0]]["pending"]
+      grads = {k: v for t in members
+               for k, v in item["pending"][t]["grads"].items()}
       names, _ = _token_layout(ctx, meta["batch_shapes"])
       routed = programs.plan(ctx.sharded_table, tuple(
           pending_batch["ids"][n] for n in names))
       pending[name] = async_emb.AsyncEmbGradientUpdate.from_residuals(
-          routed, _to_devices(saved["grads"], names, ctx.group_size),
-          saved["pending"], ctx.identity)
+          routed, _to_devices(grads, names, ctx.group_size), flag,
+          ctx.identity)
     return pending, lookups
 
   def _check_compatible(self, meta: dict, batch, step: int) -> None:

@@ -51,7 +51,8 @@ class TrainState(NamedTuple):
   Attributes:
     params: dense parameters.
     opt_state: their optax state.
-    tables: table name -> `TableState`.
+    tables: physical table name (`ShardedEmbedding.table_names`: a stack of
+      tables or one table) -> `TableState`.
     pending: table name -> the deferred `AsyncEmbGradientUpdate` (async
       pipeline); an empty update (exact); {} (sync).
     lookups: table name -> the started `EmbLookup` of the next batch (async
@@ -242,7 +243,7 @@ def _async_step(tr: Trainer, state: TrainState, batch, next_batch):
         ctx, tables, state.pending[name], started[name], next_batch, loss)
   return (TrainState(params, opt_state, tables, pending, lookups,
                      state.step + 1),
-          {"loss": loss, "aux": aux, "emb": emb_metrics})
+          {"loss": loss, "aux": aux, "emb": tr.emb.metrics_by_table(emb_metrics)})
 
 
 def _exact_step(tr: Trainer, state: TrainState, batch, next_batch):
@@ -262,7 +263,7 @@ def _exact_step(tr: Trainer, state: TrainState, batch, next_batch):
         ctx, tables, update, started, next_batch, loss)
   return (TrainState(params, opt_state, tables, state.pending, lookups,
                      state.step + 1),
-          {"loss": loss, "aux": aux, "emb": emb_metrics})
+          {"loss": loss, "aux": aux, "emb": tr.emb.metrics_by_table(emb_metrics)})
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
@@ -279,7 +280,8 @@ def _jit_flush(tr: Trainer, state: TrainState):
     norm, valid, _ = async_emb.gradient_update_done(ctx)
     emb_metrics[name] = _table_metrics(m, update.pending, norm, valid)
     pending[name] = async_emb.empty_gradient_update(ctx)
-  return state._replace(tables=tables, pending=pending), {"emb": emb_metrics}
+  return (state._replace(tables=tables, pending=pending),
+          {"emb": tr.emb.metrics_by_table(emb_metrics)})
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -1,0 +1,150 @@
+"""One replicated table's sparse step on one device: no all_to_all.
+
+A small table (`TableSpec.placement="replicated"`, or below
+`ShardedEmbedding.replicate_below` rows) is stored whole on every device of
+the axis (`ShardedTable.replicated`; its layout has one shard). The lookup
+is local: dedup, one gather, each id takes its distinct id's row. The
+update is the sharded table's math with every device as the one owner:
+
+    per-id gradients -> segment sum per distinct id (as a source does)
+    -> all_gather of the distinct ids and their sums, in device order
+    -> merge: the same row's sums added in source order (fixed: the result
+       is deterministic and, with exact sums, bit-identical to the sharded
+       table's) -> norm and gate -> the fused update, the same on every
+       device, so the replicas stay identical.
+
+The residuals have the sharded table's structure; of the plan only
+`token_slot` (each id's distinct slot) and `send_keys` (the distinct rows)
+are used, the owner fields are the source's own (the merge happens in the
+update).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from pallas_emb import kernels, pooling
+from pallas_emb.members import pow2_floor
+from pallas_emb.shard_ops import (
+    ShardedTable, clip_scale, make_residuals, pool_all)
+from pallas_emb.state import TableMetrics, TableResiduals
+from sharding.dedup import Unique, dedup, unique_keys
+from sharding.layout import SENTINEL
+from sharding.route import RoutePlan, take_rows
+
+
+def _rows(keys: jax.Array) -> jax.Array:
+  return jnp.where(keys != SENTINEL, keys, -1)
+
+
+def _plan(t: ShardedTable, blocks: Sequence) -> tuple[Unique, RoutePlan]:
+  ids, dropped = zip(*(pooling.token_ids(x) for x in blocks))
+  unique = dedup(jnp.concatenate(ids), t.layout, t.capacities.unique,
+                 t.dedup_method)
+  unique = unique._replace(num_overflow=unique.num_overflow + sum(dropped))
+  rows = _rows(unique.keys)
+  zero = jnp.zeros((), jnp.int32)
+  kept = jnp.minimum(unique.num_unique, unique.keys.shape[0])
+  return unique, RoutePlan(
+      token_slot=unique.inverse, send_keys=unique.keys, recv_rows=rows,
+      owner_rows=rows, owner_inverse=jnp.where(rows >= 0, jnp.arange(
+          rows.shape[0], dtype=jnp.int32), -1),
+      num_owner_unique=kept, num_overflow=zero,
+      # Every distinct id goes to the one (local) owner.
+      route_demand=unique.num_unique, owner_demand=kept)
+
+
+def plan_shard(t: ShardedTable, blocks: Sequence) -> TableResiduals:
+  """The residuals of a lookup of this device's ids, reading no row."""
+  unique, plan = _plan(t, blocks)
+  has_row = plan.token_slot >= 0
+  _, weights = pool_all(t, blocks, jnp.zeros(has_row.shape + (0,)), has_row)
+  return make_residuals(unique, plan, weights)
+
+
+def lookup_shard(t: ShardedTable, table: jax.Array, blocks: Sequence):
+  """This device's embeddings from its whole copy of the table."""
+  unique, plan = _plan(t, blocks)
+  slot_rows = kernels.gather(table, plan.owner_rows, dtype=t.spec.dtype,
+                             backend=t.backend)
+  rows = take_rows(slot_rows, plan.token_slot)
+  outs, weights = pool_all(t, blocks, rows, plan.token_slot >= 0)
+  return outs, make_residuals(unique, plan, weights)
+
+
+def empty_shard(t: ShardedTable, tokens_per_shard: int
+                ) -> tuple[TableResiduals, jax.Array]:
+  """Residuals and zero token gradients of a batch that routes nothing."""
+  unique, plan = _plan(t, [jnp.full((tokens_per_shard,), -1, jnp.int32)])
+  grads = jnp.zeros((tokens_per_shard, t.spec.dim), jnp.float32)
+  return make_residuals(unique, plan, ()), grads
+
+
+def owner_capacity(t: ShardedTable) -> int:
+  """Distinct rows the merge may hold: every source's, capped at the rows."""
+  return min(t.mesh.shape[t.axis] * t.capacities.unique,
+             t.layout.rows_per_shard)
+
+
+def _merged_grads(t: ShardedTable, res: TableResiduals, token_grads):
+  """(merge, per-row summed gradients, capacity): every device's distinct
+  rows and their sums, gathered in device order and added per row."""
+  plan = res.plan
+  size = plan.send_keys.shape[0]
+  send = jax.ops.segment_sum(
+      token_grads, jnp.where(plan.token_slot >= 0, plan.token_slot, size),
+      num_segments=size)
+  keys = jax.lax.all_gather(plan.send_keys, t.axis, tiled=True)
+  sums = jax.lax.all_gather(send, t.axis, tiled=True)
+  cap = owner_capacity(t)
+  merged = unique_keys(keys, cap, t.dedup_method)
+  grads = jax.ops.segment_sum(
+      sums, jnp.where(merged.inverse >= 0, merged.inverse, cap),
+      num_segments=cap)
+  return merged, grads, cap
+
+
+def _norm(grads: jax.Array) -> jax.Array:
+  # Every device holds the whole gradient: the norm needs no collective.
+  scale = pow2_floor(jnp.max(jnp.abs(grads), initial=0.0))
+  scaled = grads / scale
+  return scale * jnp.sqrt(jnp.sum(scaled * scaled))
+
+
+def grad_norm_shard(t: ShardedTable, res: TableResiduals,
+                    token_grads: jax.Array) -> jax.Array:
+  """The norm `update_shard` reports, alone (see `shard_ops`)."""
+  return _norm(_merged_grads(t, res, token_grads)[1])
+
+
+def update_shard(t: ShardedTable, table, slots, step, res: TableResiduals,
+                 token_grads: jax.Array, gate: jax.Array, clip=None):
+  """The fused update of this device's copy (see the module docstring);
+  same arguments and results as `shard_ops.update_shard`."""
+  merged, grads, cap = _merged_grads(t, res, token_grads)
+  norm = _norm(grads)
+  unique_ids = jnp.minimum(merged.num_unique, cap)
+  apply = jnp.isfinite(norm) & gate & (unique_ids > 0)
+  if clip is None and t.spec.max_grad_norm is not None:
+    clip = (jnp.float32(t.spec.max_grad_norm), norm)
+  if clip is not None:
+    scale, finite = clip_scale(norm, clip)
+    grads, apply = grads * scale, apply & finite
+  opt = t.spec.optimizer
+  table, slots = kernels.fused_update(
+      table, slots, _rows(merged.keys), grads, opt.scalars(step), apply,
+      optimizer=opt, dtype=t.spec.dtype,
+      backend=t.backend if opt.runs_in_kernel else "xla")
+  psum = lambda x: jax.lax.psum(jnp.sum(x), t.axis)
+  pmax = lambda x: jax.lax.pmax(jnp.max(x), t.axis)
+  metrics = TableMetrics(
+      unique_ids=unique_ids, invalid_ids=psum(res.num_invalid),
+      overflow_ids=psum(res.num_overflow) + merged.num_overflow,
+      grad_norm=norm, applied=apply,
+      max_unique_per_shard=pmax(res.num_unique),
+      max_ids_per_route=pmax(res.plan.route_demand),
+      max_rows_per_owner=merged.num_unique)
+  return table, slots, step + apply.astype(jnp.int32), metrics

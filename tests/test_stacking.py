@@ -1,0 +1,246 @@
+"""Table stacking: tables stored and updated as one equal the tables alone."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import pallas_emb as pe
+from conftest import make_mesh
+from pallas_emb import programs, stacking
+from pallas_emb.train.checkpoint import Checkpointer
+
+D = 8
+
+
+def _tables(opt, alone=False):
+  # a, b, c stack (equal dim and optimizer); d has another dim and stays alone.
+  return [pe.TableSpec("a", 37, D, optimizer=opt), pe.TableSpec("c", 20, D, optimizer=opt)] + (
+              [pe.TableSpec("d", 30, 4, optimizer=opt)] if alone else [])
+
+
+FEATURES = [pe.FeatureSpec("fa", "a"), pe.FeatureSpec("fc", "c"),
+            pe.FeatureSpec("fa2", "a", None)]
+FEATURE_D = pe.FeatureSpec("fd", "d")
+
+
+def _emb(opt, n, stacking_mode, alone=False):
+  return pe.ShardedEmbedding(_tables(opt, alone), FEATURES + [FEATURE_D] * alone,
+                             make_mesh(n), "x", "xla", stacking=stacking_mode)
+
+
+def _dyadic(rng, shape):
+  return (rng.integers(-8, 9, shape) / 8).astype(np.float32)
+
+
+def _ids(rng, emb, batch=24):
+  # Some padding (-1) and ids past every table's end (invalid).
+  return {f.name: rng.integers(-1, 60, (batch, 2)).astype(np.int32) for f in emb.features}
+
+
+def _run(emb, steps=2, nan_step=1):
+  rng = np.random.default_rng(0)
+  state = emb.init(jax.random.key(3))
+  log = []
+  for s in range(steps):
+    ids = _ids(rng, emb)
+    acts, res = emb.lookup(state, ids)
+    grads = {k: _dyadic(rng, v.shape) for k, v in acts.items()}
+    if s == nan_step:  # a non-finite gradient in c alone
+      ids_c = ids["fc"]
+      row = int(np.nonzero(((ids_c >= 0) & (ids_c < 20)).any(axis=1))[0][0])
+      grads["fc"][row, 0] = np.nan
+    state, metrics = emb.apply_gradients(state, res, grads)
+    log.append(({k: np.asarray(v) for k, v in acts.items()},
+                jax.tree.map(np.asarray, {k: m._asdict() for k, m in metrics.items()})))
+  return state, log
+
+
+def _assert_same(e0, s0, e1, s1, names):
+  for t in names:
+    np.testing.assert_array_equal(e0.logical_table(s0, t), e1.logical_table(s1, t))
+    slots0, slots1 = e0.logical_slots(s0, t), e1.logical_slots(s1, t)
+    assert slots0.keys() == slots1.keys()
+    for k in slots0:
+      np.testing.assert_array_equal(slots0[k], slots1[k])
+
+
+def _assert_metrics_equal(m0, m1):
+  assert m0.keys() == m1.keys()
+  for t in m0:
+    for k in m0[t]:
+      np.testing.assert_array_equal(m0[t][k], m1[t][k], err_msg=f"{t}.{k}")
+
+
+OPTIMIZERS = [(pe.SGD(0.5), 1), (pe.Adagrad(0.25), 6),
+              (pe.RowWiseAdagrad(0.1, half_life_steps=3.0, lazy_decay=True), 8),
+              (pe.LazyAdam(0.05), 8), (pe.FTRL(0.1, l1=0.01, l2=0.01), 6)]
+
+
+@pytest.mark.parametrize("opt,n", OPTIMIZERS, ids=lambda x: getattr(type(x), "__name__", str(x)))
+def test_stacked_equals_unstacked_bit_for_bit(opt, n):
+  off, auto = _emb(opt, n, "off"), _emb(opt, n, "auto")
+  assert off.table_names == ("a", "c")
+  assert auto.table_names == ("a+c",)
+  s0, log0 = _run(off)
+  s1, log1 = _run(auto)
+  _assert_same(off, s0, auto, s1, "ac")
+  for (a0, m0), (a1, m1) in zip(log0, log1):
+    assert a0.keys() == a1.keys()
+    for k in a0:
+      np.testing.assert_array_equal(a0[k], a1[k])
+    _assert_metrics_equal(m0, m1)
+  # The non-finite gradient skipped c alone; its neighbours were applied.
+  last = log1[-1][1]
+  assert not last["c"]["applied"] and not np.isfinite(last["c"]["grad_norm"])
+  assert last["a"]["applied"]
+  assert all(last[t]["invalid_ids"] > 0 and last[t]["unique_ids"] > 0 for t in "ac")
+
+
+def test_offsets_rotate_row_zero_over_the_shards():
+  tables = [pe.TableSpec(n, r, D) for n, r in (("a", 10), ("b", 7), ("c", 16), ("d", 3))]
+  starts = stacking.offsets(tables, 4)
+  assert starts == (0, 13, 22, 43)
+  assert [s % 4 for s in starts] == [0, 1, 2, 3]
+  assert all(s >= e for s, e in zip(starts[1:], np.add(starts, [10, 7, 16, 3])))
+  ranged = [pe.TableSpec(t.name, t.num_rows, D, layout="range") for t in tables]
+  assert stacking.offsets(ranged, 4) == (0, 10, 17, 33)
+
+
+def test_stacking_by_hand_and_its_errors():
+  tables = _tables(pe.SGD(0.5), alone=True)
+  mesh, feats = make_mesh(2), FEATURES + [FEATURE_D]
+  emb = pe.ShardedEmbedding(tables, feats, mesh, "x", "xla", stacking={"ac": ["c", "a"]})
+  assert emb.table_names == ("ac", "d")
+  assert [t.name for t in emb.group_of("c").tables] == ["a", "c"]
+  assert [f.name for f in emb.features_of("ac")] == ["fa", "fa2", "fc"]
+  for bad, words in (({"g": ["a", "d"]}, "cannot share"), ({"g": ["a", "x"]}, "'x'"),
+                     ({"g": ["a"], "h": ["a", "c"]}, "two groups"), ("sometimes", "stacking must"),
+                     ({"a": ["c", "a"]}, "table's name")):
+    with pytest.raises(pe.SpecError, match=words):
+      pe.ShardedEmbedding(tables, feats, mesh, "x", "xla", stacking=bad)
+
+
+def test_init_and_member_states_round_trip():
+  emb = _emb(pe.Adagrad(0.1), 6, "auto", alone=True)
+  assert emb.table_names == ("a+c", "d")
+  off = emb.unstacked()
+  state = emb.init(jax.random.key(1))
+  alone = off.init(jax.random.key(1))
+  _assert_same(emb, state, off, alone, "acd")
+  back = emb.from_member_states(off.member_states(alone))
+  _assert_same(emb, back, off, alone, "acd")
+
+
+def _trainer(emb, use_async, batch):
+  w = {f.name: jnp.asarray((np.arange(emb.table_spec(f.table).dim) % 5 - 2) / 4,
+                          jnp.float32) for f in emb.features}
+
+  def loss_fn(params, acts, batch):
+    del batch
+    total = sum(jnp.sum(acts[k] * w[k]) for k in acts) * params["s"]
+    return total, {}
+
+  tr = pe.make_trainer(emb, loss_fn, optax.sgd(0.0), pe.TrainConfig(use_async_emb=use_async),
+                       batch)
+  return tr, {"s": jnp.ones((), jnp.float32)}
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_trainer_stacked_equals_unstacked_and_checkpoints_cross_over(use_async, tmp_path):
+  """Both pipelines give the same tables and metrics stacked or not; a
+  checkpoint of either restores into the other (async: the pending update
+  too) and the runs continue identically."""
+  rng = np.random.default_rng(5)
+  runs = {}
+  for mode in ("off", "auto"):
+    emb = _emb(pe.RowWiseAdagrad(0.1, half_life_steps=None), 4, mode)
+    put = lambda b, emb=emb: {"ids": {k: jax.device_put(v, emb.sharding())
+                                      for k, v in b["ids"].items()}}
+    batches = runs["off"]["batches"] if runs else [{"ids": _ids(rng, emb)} for _ in range(4)]
+    tr, params = _trainer(emb, use_async, put(batches[0]))
+    template = tr.init(params, emb.init(jax.random.key(0)), put(batches[0]))
+    state = tr.init(params, emb.init(jax.random.key(0)), put(batches[0]))
+    log = []
+    for i in range(2):
+      state, m = tr.step(state, put(batches[i]), put(batches[i + 1]))
+      log.append(jax.tree.map(np.asarray, m["emb"]))
+    ckpt = Checkpointer(str(tmp_path / mode), tr)
+    ckpt.save(state, {k: v.shape for k, v in batches[0]["ids"].items()})
+    runs[mode] = dict(emb=emb, tr=tr, state=state, log=log, put=put, batches=batches,
+                      template=template, ckpt=ckpt)
+  off, auto = runs["off"], runs["auto"]
+  _assert_same(off["emb"], off["state"].tables, auto["emb"], auto["state"].tables, "ac")
+  for m0, m1 in zip(off["log"], auto["log"]):
+    _assert_metrics_equal(m0, m1)
+  # Each trainer restores the other's checkpoint and takes the third step.
+  for mine, other in ((off, auto), (auto, off)):
+    ckpt = Checkpointer(other["ckpt"].directory, mine["tr"])
+    restored = ckpt.restore(mine["template"], lambda i: mine["put"](mine["batches"][i]))
+    _assert_same(mine["emb"], restored.tables, other["emb"], other["state"].tables, "ac")
+    mine["next"] = mine["tr"].step(restored, mine["put"](mine["batches"][2]),
+                                   mine["put"](mine["batches"][3]))
+  _assert_same(off["emb"], off["next"][0].tables, auto["emb"], auto["next"][0].tables, "ac")
+  _assert_metrics_equal(jax.tree.map(np.asarray, off["next"][1]["emb"]),
+                        jax.tree.map(np.asarray, auto["next"][1]["emb"]))
+
+
+@pytest.mark.parametrize("n", [6])
+def test_replicated_equals_sharded(n):
+  """A replicated table (whole on every device, no all_to_all) trains
+  bit-identically to the sharded one, metrics included (but the capacity
+  diagnostics, which describe another routing)."""
+  opt = pe.LazyAdam(0.05)
+  runs = []
+  for kw in ({}, {"replicate_below": 30}):
+    emb = pe.ShardedEmbedding(_tables(opt), FEATURES, make_mesh(n), "x", "xla",
+                              stacking="off", **kw)
+    runs.append((emb,) + _run(emb))
+  (e0, s0, log0), (e1, s1, log1) = runs
+  assert e1.layout("c").num_shards == 1 and e1.layout("a").num_shards == n
+  assert s1["c"].table.sharding.is_fully_replicated
+  _assert_same(e0, s0, e1, s1, "ac")
+  for (a0, m0), (a1, m1) in zip(log0, log1):
+    for k in a0:
+      np.testing.assert_array_equal(a0[k], a1[k])
+    for t in m0:
+      for k in ("unique_ids", "invalid_ids", "overflow_ids", "grad_norm", "applied",
+                "max_unique_per_shard"):
+        np.testing.assert_array_equal(m0[t][k], m1[t][k], err_msg=f"{t}.{k}")
+  assert not log1[-1][1]["c"]["applied"] and log1[-1][1]["a"]["applied"]
+  # Stored alone and sharded for checkpoints; back to replicated.
+  back = e1.from_member_states(e1.member_states(s1))
+  assert back["c"].table.sharding.is_fully_replicated
+  _assert_same(e1, back, e0, s0, "ac")
+  # The replicated table's lookup and update exchange nothing all-to-all.
+  ids = (jnp.asarray(_ids(np.random.default_rng(1), e1)["fc"]),)
+  for emb, state, count in ((e0, s0, True), (e1, s1, False)):
+    t = emb.sharded_table("c", ids[0].shape[0] // n * ids[0].shape[1])
+    text = programs.lookup.lower(t, state["c"].table, ids).as_text()
+    res = programs.plan(t, ids)
+    text += programs.apply_gradients.lower(
+        t, state["c"], res, (jnp.zeros((24, D)),), True).as_text()
+    assert ("all_to_all" in text) == count
+
+
+def test_interpret_kernel_agrees_with_xla_when_a_member_is_skipped():
+  """The Pallas kernel (interpret mode) gets the compacted rows of the
+  applied members, like the XLA path: both give the same tables."""
+  opt = pe.RowWiseAdagrad(0.1, half_life_steps=None)
+  tables = [pe.TableSpec("a", 12, D, optimizer=opt), pe.TableSpec("c", 9, D, optimizer=opt)]
+  feats = [pe.FeatureSpec("fa", "a"), pe.FeatureSpec("fc", "c")]
+  out = []
+  for backend in ("xla", "interpret"):
+    emb = pe.ShardedEmbedding(tables, feats, make_mesh(1), "x", backend)
+    state = emb.init(jax.random.key(0))
+    ids = {"fa": np.array([[0], [5], [11], [-1]], np.int32),
+           "fc": np.array([[2], [8], [3], [20]], np.int32)}
+    acts, res = emb.lookup(state, ids)
+    grads = {k: _dyadic(np.random.default_rng(2), v.shape) for k, v in acts.items()}
+    grads["fc"][1, 0] = np.inf
+    state, m = emb.apply_gradients(state, res, grads)
+    assert bool(m["a"].applied) and not bool(m["c"].applied)
+    out.append([emb.logical_table(state, t) for t in "ac"])
+  for x, y in zip(*out):
+    np.testing.assert_array_equal(x, y)
