@@ -380,25 +380,14 @@ class ShardedEmbedding:
           name, res.plan.token_slot.shape[0] // self.num_shards)
     clip = None
     if max_global_norm is not None:
-      clip = (jnp.float32(max_global_norm), _norm_of_norms(
-          [programs.grad_norm(t, residuals[name],
-                              self._feature_args(name, grads))
-           for name, t in shards.items()]))
+      clip = (jnp.float32(max_global_norm), programs.global_grad_norm(
+          tuple(shards.values()), tuple(residuals[n] for n in shards),
+          tuple(self._feature_args(n, grads) for n in shards)))
     for name, t in shards.items():
       tables[name], metrics[name] = programs.apply_gradients(
           t, tables[name], residuals[name], self._feature_args(name, grads),
           gate, clip)
     return tables, self.metrics_by_table(metrics)
-
-
-def _norm_of_norms(norms: Sequence[jax.Array]) -> jax.Array:
-  """sqrt(sum of squares) of per-table norms, scaled by the largest so that
-  squaring cannot overflow float32."""
-  norms = jnp.stack(norms)
-  peak = jnp.max(norms)
-  safe = jnp.where(jnp.isfinite(peak) & (peak > 0), peak, 1.0)
-  return jnp.where(jnp.isfinite(peak),
-                   safe * jnp.sqrt(jnp.sum((norms / safe) ** 2)), peak)
 
 
 __all__ = ["Capacities", "ShardedEmbedding", "TableMetrics", "TableResiduals",

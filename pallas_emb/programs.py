@@ -144,14 +144,25 @@ def apply_gradients(t: ShardedTable, state: TableState, res: TableResiduals,
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def grad_norm(t: ShardedTable, res: TableResiduals,
-              feature_grads: tuple[jax.Array, ...]) -> jax.Array:
-  """The () global norm of the summed row gradients the update would apply."""
-  def fn(res, *grads):
-    return _ops(t).grad_norm_shard(
-        t, res, shard_ops.token_grads_shard(t, res.weights, grads))
-  return per_device(t, fn, [ROWS] + [ROWS] * len(feature_grads), REPLICATED)(
-      res, *feature_grads)
+def global_grad_norm(ts: tuple[ShardedTable, ...],
+                     residuals: tuple[TableResiduals, ...],
+                     feature_grads: tuple[tuple[jax.Array, ...], ...]
+                     ) -> jax.Array:
+  """() sqrt(sum over tables of the squared global norm of the summed row
+  gradients each update would apply); the largest norm scales the squares,
+  so they cannot overflow float32."""
+  def one(t, res, grads):
+    def fn(res, *grads):
+      return _ops(t).grad_norm_shard(
+          t, res, shard_ops.token_grads_shard(t, res.weights, grads))
+    return per_device(t, fn, [ROWS] * (1 + len(grads)), REPLICATED)(
+        res, *grads)
+
+  norms = jnp.stack([one(*x) for x in zip(ts, residuals, feature_grads)])
+  peak = jnp.max(norms)
+  safe = jnp.where(jnp.isfinite(peak) & (peak > 0), peak, 1.0)
+  return jnp.where(jnp.isfinite(peak),
+                   safe * jnp.sqrt(jnp.sum((norms / safe) ** 2)), peak)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)

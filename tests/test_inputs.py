@@ -252,7 +252,9 @@ def test_global_clipping_uses_one_norm_over_all_tables():
   rng = np.random.default_rng(6)
   tables = [pe.TableSpec(n, V, D, optimizer=pe.SGD(1.0)) for n in ("a", "b")]
   feats = [pe.FeatureSpec("fa", "a"), pe.FeatureSpec("fb", "b")]
-  emb = pe.ShardedEmbedding(tables, feats, make_mesh(2), "x", "xla")
+  # Stored apart: state_from_logical builds each table (stacking them would
+  # clip by the same one norm).
+  emb = pe.ShardedEmbedding(tables, feats, make_mesh(2), "x", "xla", stacking="off")
   start = {n: _dyadic_table(rng) for n in ("a", "b")}
   ids = {f: rng.integers(0, V, (B, 2)).astype(np.int32) for f in ("fa", "fb")}
   g = {f: rng.normal(size=(B, D)).astype(np.float32) for f in ("fa", "fb")}
@@ -304,3 +306,35 @@ def test_async_trainer_takes_ragged_bags_like_padded_ones():
       state, m = tr.step(state, bs[i], bs[i + 1])
       losses[ragged].append(float(m["loss"]))
   np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
+
+
+@pytest.mark.parametrize("max_norm", [None, 0.5])
+def test_stacked_weighted_and_ragged_features_equal_unstacked(max_norm):
+  rng = np.random.default_rng(7)
+  tables = [pe.TableSpec(n, V, D, optimizer=pe.Adagrad(0.25), max_grad_norm=max_norm)
+            for n in ("a", "c")]
+  feats = [pe.FeatureSpec("fa", "a", "mean"), pe.FeatureSpec("fc", "c", "sqrtn")]
+  bags, weights = _bags(rng)
+  ids, w = _padded(bags, weights)
+  inputs = {"fa": pe.Weighted(ids, w),
+            "fc": pe.ragged(bags, num_shards=8, capacity=32, weights=weights)}
+  g = {f: (rng.integers(-4, 5, (B, D)) / 4).astype(np.float32) for f in ("fa", "fc")}
+  out = {}
+  for mode in ("off", "auto"):
+    emb = pe.ShardedEmbedding(tables, feats, make_mesh(8), "x", "xla", stacking=mode)
+    state = emb.init(jax.random.key(0))
+    acts, res = emb.lookup(state, inputs)
+    state, m = emb.apply_gradients(state, res, g)
+    out[mode] = (acts, {n: emb.logical_table(state, n) for n in ("a", "c")}, m)
+  (a0, t0, m0), (a1, t1, m1) = out["off"], out["auto"]
+  for k in a0:
+    np.testing.assert_array_equal(a0[k], a1[k])
+  # Clipped, a stack's member norm is computed in another order than the
+  # table's alone: equal to rounding.
+  tol = dict(rtol=0) if max_norm is None else dict(rtol=1e-6, atol=1e-7)
+  for n in ("a", "c"):
+    np.testing.assert_allclose(t0[n], t1[n], **tol)
+    assert bool(m0[n].applied) and bool(m1[n].applied)
+    np.testing.assert_allclose(m0[n].grad_norm, m1[n].grad_norm, rtol=1e-6)
+    if max_norm is not None:
+      assert float(m0[n].grad_norm) > max_norm  # the clip was active
