@@ -50,7 +50,7 @@ class ShardedEmbedding:
     mesh: the device mesh. The batch and every table are sharded over `axis`;
       other mesh axes (if any) hold replicas.
     axis: the mesh axis name tables and data are sharded over.
-    backend: "pallas", "interpret", "xla" or None (by platform).
+    backend: "pallas", "interpret", "xla", "native" or None (by platform).
   """
 
   tables: Sequence[TableSpec]

@@ -8,6 +8,8 @@ rows). Top to bottom:
     lookup:  dedup -> plan_route -> gather -> from_owners -> combine
     update:  expand -> segment sum -> to_owners -> norm and gate
              -> fused update
+             (one device on the native backend: segment sum, norm, gate and
+             update are one native pass)
 
 `ShardedTable` is the static description both halves share; `programs`
 wraps these functions in `shard_map` and `jax.jit`.
@@ -30,7 +32,7 @@ from pallas_emb.tokens import concat_tokens, split_tokens
 from sharding.dedup import Unique, dedup
 from sharding.layout import SENTINEL, RowLayout
 from sharding.route import (
-    RoutePlan, empty_plan, from_owners, plan_route, to_owners)
+    RoutePlan, empty_plan, from_owners, is_identity, plan_route, to_owners)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +46,7 @@ class ShardedTable:
     capacities: its buffer sizes for this batch shape.
     mesh: the device mesh.
     axis: the mesh axis rows and data are sharded over.
-    backend: "pallas", "interpret" or "xla".
+    backend: "pallas", "interpret", "xla" or "native".
   """
 
   spec: TableSpec
@@ -74,10 +76,12 @@ def _route(t: ShardedTable, ids: jax.Array) -> tuple[Unique, RoutePlan, jax.Arra
   all it can receive).
   """
   caps = t.capacities
-  unique = dedup(ids, t.layout, caps.unique)
+  impl = kernels.unique_impl(t.backend)
+  unique = dedup(ids, t.layout, caps.unique, impl=impl)
   plan = plan_route(unique.keys, rows_per_shard=t.layout.rows_per_shard,
                     num_shards=t.num_shards, route_capacity=caps.route,
-                    owner_capacity=caps.owner, axis_name=t.axis)
+                    owner_capacity=caps.owner, axis_name=t.axis,
+                    unique_impl=impl)
   has_row = (unique.inverse >= 0) & (
       jnp.take(plan.send_slot, jnp.maximum(unique.inverse, 0)) >= 0)
   return unique, plan, has_row
@@ -206,17 +210,25 @@ def update_shard(t: ShardedTable, table, slots, step, res: TableResiduals,
     gradient norm is finite and `gate` is True.
   """
   caps = t.capacities
-  unique_grads = jax.ops.segment_sum(
-      token_grads, jnp.where(res.inverse < 0, caps.unique, res.inverse),
-      num_segments=caps.unique)
-  owner_grads = to_owners(res.plan, unique_grads, axis_name=t.axis)
-  norm = jnp.sqrt(jax.lax.psum(jnp.sum(owner_grads * owner_grads), t.axis))
-  apply = jnp.isfinite(norm) & gate
   opt = t.spec.optimizer
-  table, slots = kernels.fused_update(
-      table, slots, res.plan.owner_rows, owner_grads, opt.scalars(step), apply,
-      optimizer=opt, dtype=t.spec.dtype,
-      backend=t.backend if opt.runs_in_kernel else "xla")
+  if (is_identity(res.plan, t.axis)
+      and kernels.fuses_segment_sum(t.backend, opt, t.spec.dtype)):
+    # Nothing travels: sum, norm, gate and update in one pass over the rows.
+    table, slots, norm = kernels.segment_sum_update(
+        table, slots, res.plan.owner_rows, res.inverse, token_grads,
+        opt.scalars(step), gate, optimizer=opt, dtype=t.spec.dtype)
+    apply = jnp.isfinite(norm) & gate
+  else:
+    unique_grads = jax.ops.segment_sum(
+        token_grads, jnp.where(res.inverse < 0, caps.unique, res.inverse),
+        num_segments=caps.unique)
+    owner_grads = to_owners(res.plan, unique_grads, axis_name=t.axis)
+    norm = jnp.sqrt(jax.lax.psum(jnp.sum(owner_grads * owner_grads), t.axis))
+    apply = jnp.isfinite(norm) & gate
+    table, slots = kernels.fused_update(
+        table, slots, res.plan.owner_rows, owner_grads, opt.scalars(step),
+        apply, optimizer=opt, dtype=t.spec.dtype,
+        backend=t.backend if opt.runs_in_kernel else "xla")
   psum = lambda x: jax.lax.psum(jnp.sum(x), t.axis)
   metrics = TableMetrics(
       unique_ids=psum(res.plan.num_owner_unique),

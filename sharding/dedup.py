@@ -9,11 +9,15 @@ nothing. Nothing is ever clamped onto another row.
 
 `dedup` applies it to logical ids under a `RowLayout`, keyed by physical row so
 that the unique keys come out grouped by owner shard.
+
+The sort-based core can be replaced by any `UniqueImpl` that gives the same
+arrays bit for bit (the caller's native kernel, say): this package imports
+nothing from its callers, so they pass it in.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,12 +48,20 @@ class Unique(NamedTuple):
   num_invalid: jax.Array
 
 
-def unique_keys(keys: jax.Array, capacity: int) -> Unique:
+# (keys (n,) int32, capacity) -> (kept keys (capacity,), inverse (n,),
+# num_unique ()), all int32, exactly as `unique_keys` defines them.
+UniqueImpl = Callable[[jax.Array, int], tuple[jax.Array, jax.Array, jax.Array]]
+
+
+def unique_keys(keys: jax.Array, capacity: int, *,
+                impl: UniqueImpl | None = None) -> Unique:
   """Distinct values of `keys` with a static capacity.
 
   Args:
     keys: (n,) int32. SENTINEL marks an input that has no key.
     capacity: static number of slots in the result, >= 1.
+    impl: computes the keys, inverse and count instead of the sort below;
+      it must give the same bits.
 
   Returns:
     A `Unique`. The largest keys overflow first: the result is deterministic
@@ -60,6 +72,17 @@ def unique_keys(keys: jax.Array, capacity: int) -> Unique:
         f"keys must be a 1-D int32 array, got {keys.dtype}{list(keys.shape)}.")
   if capacity < 1:
     raise ValueError(f"capacity must be >= 1, got {capacity}.")
+  out_keys, inverse, num_unique = (impl or _sorted_unique)(keys, capacity)
+  return Unique(
+      keys=out_keys,
+      inverse=inverse,
+      num_unique=num_unique,
+      num_overflow=jnp.maximum(num_unique - capacity, 0),
+      num_invalid=jnp.zeros((), jnp.int32),
+  )
+
+
+def _sorted_unique(keys: jax.Array, capacity: int):
   sorted_keys = jnp.sort(keys)
   valid = sorted_keys != SENTINEL
   prev = jnp.concatenate([jnp.full((1,), SENTINEL, jnp.int32), sorted_keys[:-1]])
@@ -73,17 +96,11 @@ def unique_keys(keys: jax.Array, capacity: int) -> Unique:
   slot = jnp.minimum(jnp.searchsorted(out_keys, keys, method="scan_unrolled"),
                      capacity - 1).astype(jnp.int32)
   inverse = jnp.where((keys != SENTINEL) & (out_keys[slot] == keys), slot, -1)
-  num_unique = jnp.sum(first, dtype=jnp.int32)
-  return Unique(
-      keys=out_keys,
-      inverse=inverse,
-      num_unique=num_unique,
-      num_overflow=jnp.maximum(num_unique - capacity, 0),
-      num_invalid=jnp.zeros((), jnp.int32),
-  )
+  return out_keys, inverse, jnp.sum(first, dtype=jnp.int32)
 
 
-def dedup(ids: jax.Array, layout: RowLayout, capacity: int) -> Unique:
+def dedup(ids: jax.Array, layout: RowLayout, capacity: int, *,
+          impl: UniqueImpl | None = None) -> Unique:
   """Deduplicates logical ids, keyed by physical row.
 
   Args:
@@ -91,6 +108,7 @@ def dedup(ids: jax.Array, layout: RowLayout, capacity: int) -> Unique:
       [0, layout.num_rows) is invalid.
     layout: where the rows live; keys are `layout.physical_of(id)`.
     capacity: static number of unique slots.
+    impl: passed to `unique_keys`.
 
   Returns:
     A `Unique` whose keys are physical rows, ascending, hence grouped by owner.
@@ -101,6 +119,6 @@ def dedup(ids: jax.Array, layout: RowLayout, capacity: int) -> Unique:
   in_range = (ids >= 0) & (ids < layout.num_rows)
   keys = jnp.where(in_range, layout.physical_of(jnp.where(in_range, ids, 0)),
                    SENTINEL).astype(jnp.int32)
-  result = unique_keys(keys, capacity)
+  result = unique_keys(keys, capacity, impl=impl)
   num_invalid = jnp.sum(~in_range & (ids != PAD_ID), dtype=jnp.int32)
   return result._replace(num_invalid=num_invalid)

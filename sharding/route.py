@@ -21,7 +21,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from sharding.dedup import Unique, unique_keys
+from sharding.dedup import Unique, UniqueImpl, unique_keys
 from sharding.layout import SENTINEL
 
 
@@ -74,6 +74,7 @@ def plan_route(
     route_capacity: int,
     owner_capacity: int,
     axis_name,
+    unique_impl: UniqueImpl | None = None,
 ) -> RoutePlan:
   """Buckets sorted physical row ids by owner and exchanges them.
 
@@ -85,6 +86,7 @@ def plan_route(
     route_capacity: ids one source may send to one owner.
     owner_capacity: distinct rows one owner may receive.
     axis_name: the mesh axis the table is sharded over.
+    unique_impl: the owner-side merge's `unique_keys` implementation.
   """
   keys = unique_physical
   capacity = keys.shape[0]
@@ -108,7 +110,7 @@ def plan_route(
     merged = _identity_merge(recv_rows, owner_capacity)
   else:
     merged = unique_keys(jnp.where(recv_rows >= 0, recv_rows, SENTINEL),
-                         owner_capacity)
+                         owner_capacity, impl=unique_impl)
   return RoutePlan(
       send_slot=send_slot,
       owner_rows=jnp.where(merged.keys != SENTINEL, merged.keys, -1),
@@ -144,7 +146,7 @@ def to_owners(plan: RoutePlan, values: jax.Array, *, axis_name) -> jax.Array:
     zero for padding rows (with one shard, where nothing moves: `values` of
     its padding slots, which must be zero as segment sums leave them).
   """
-  if _is_identity(plan, axis_name):
+  if is_identity(plan, axis_name):
     # Padding slots have no ids, so a segment sum left them zero already.
     return values
   num_slots = plan.owner_inverse.shape[0]
@@ -169,14 +171,16 @@ def from_owners(plan: RoutePlan, owner_values: jax.Array, *,
   Returns:
     (unique_capacity, ...) per source-side unique id; zero for dropped ids.
   """
-  if _is_identity(plan, axis_name):
+  if is_identity(plan, axis_name):
     return _zero_where(plan.send_slot < 0, owner_values)
   back = _take_or_zero(owner_values, plan.owner_inverse)
   return _take_or_zero(_exchange(back, axis_name), plan.send_slot)
 
 
-def _is_identity(plan: RoutePlan, axis_name) -> bool:
+def is_identity(plan: RoutePlan, axis_name) -> bool:
   """One shard and no capacity cut: unique slot i is owner row i (static).
+
+  Then nothing travels, and a caller may fuse the source and owner sides.
 
   Then `send_slot[i]` is i (or -1 with a zero value) and so is
   `owner_inverse`: the exchange and both scatters can be skipped.

@@ -2,11 +2,15 @@
 
 * "pallas": Mosaic kernels, TPU only;
 * "interpret": the same kernels in Pallas' TPU interpreter (tests on CPU);
-* "xla": plain XLA ops, the test oracle and the fast path on CPU and GPU.
+* "xla": plain XLA ops, the test oracle and the path on GPU;
+* "native": C++ kernels through jax.ffi on CPU (`native.py`): dedup, and the
+  sum, gate and optimizer update in one pass; an optimizer or dtype they do
+  not implement runs the XLA path, call by call.
 
-The default follows the platform (TPU -> "pallas", else "xla") and can be
-overridden for a whole process with the environment variable
-PALLAS_EMB_BACKEND, e.g. to run a test suite in interpret mode.
+The default follows the platform: TPU -> "pallas"; CPU -> "native" when its
+library is built and works here, else "xla"; anything else -> "xla". The
+environment variable PALLAS_EMB_BACKEND overrides it for a whole process,
+e.g. to run a test suite in interpret mode.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ import os
 import jax
 
 from pallas_emb.errors import BackendError
+from pallas_emb.kernels import native_lib
 
-BACKENDS = ("pallas", "interpret", "xla")
+BACKENDS = ("pallas", "interpret", "xla", "native")
 ENV_VAR = "PALLAS_EMB_BACKEND"
 
 
@@ -26,7 +31,12 @@ def default_backend() -> str:
   env = os.environ.get(ENV_VAR)
   if env:
     return check_backend(env)
-  return "pallas" if jax.default_backend() == "tpu" else "xla"
+  platform = jax.default_backend()
+  if platform == "tpu":
+    return "pallas"
+  if platform == "cpu" and native_lib.available():
+    return "native"
+  return "xla"
 
 
 def check_name(backend: str) -> str:
@@ -38,13 +48,25 @@ def check_name(backend: str) -> str:
 
 
 def check_backend(backend: str) -> str:
-  """Validates a backend name; "pallas" also needs a TPU."""
+  """Validates a backend name; "pallas" also needs a TPU, "native" a CPU
+  and its library."""
   check_name(backend)
-  if backend == "pallas" and jax.default_backend() != "tpu":
+  platform = jax.default_backend()
+  if backend == "pallas" and platform != "tpu":
     raise BackendError(
         f"backend 'pallas' compiles Mosaic kernels and needs a TPU, but JAX's "
-        f"platform is {jax.default_backend()!r}; use 'interpret' to run the "
+        f"platform is {platform!r}; use 'interpret' to run the "
         "kernels in the TPU interpreter, or 'xla'.")
+  if backend == "native":
+    if platform != "cpu":
+      raise BackendError(
+          f"backend 'native' runs C++ kernels on CPU devices, but JAX's "
+          f"platform is {platform!r}; use 'xla' (or the default).")
+    status = native_lib.status()
+    if not status.available:
+      raise BackendError(
+          f"backend 'native' is unavailable: {status.reason}. Install a C++17 "
+          "compiler and cmake and reinstall (pip install .), or use 'xla'.")
   return backend
 
 
