@@ -8,6 +8,8 @@ rows). Top to bottom:
     lookup:  dedup -> plan_route -> gather -> from_owners -> combine
     update:  expand -> to_owners (segment sum, exchange, merge) -> norm and
              gate -> fused update
+             (one device on the native CPU backend: segment sum, norm, gate
+             and update are one native pass)
 
 `ShardedTable` is the static description both halves share; `programs`
 wraps these functions in `shard_map` and `jax.jit`.
@@ -31,7 +33,8 @@ from pallas_emb.tokens import concat_tokens, split_tokens
 from sharding.dedup import Unique, dedup
 from sharding.layout import SENTINEL, RowLayout
 from sharding.route import (
-    PLAN_SCALARS, RoutePlan, empty_plan, from_owners, plan_route, to_owners)
+    PLAN_SCALARS, RoutePlan, empty_plan, from_owners, is_identity, plan_route,
+    to_owners)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +48,7 @@ class ShardedTable:
     capacities: its buffer sizes for this batch shape.
     mesh: the device mesh.
     axis: the mesh axis rows and data are sharded over.
-    backend: "pallas", "interpret" or "xla".
+    backend: "pallas", "interpret", "xla" or "native".
   """
 
   spec: TableSpec
@@ -81,11 +84,12 @@ def _route(t: ShardedTable, ids: jax.Array) -> tuple[Unique, RoutePlan]:
   capacity covers all it can receive).
   """
   caps = t.capacities
-  unique = dedup(ids, t.layout, caps.unique, t.dedup_method)
+  impl = kernels.unique_impl(t.backend)
+  unique = dedup(ids, t.layout, caps.unique, t.dedup_method, impl=impl)
   plan = plan_route(unique, rows_per_shard=t.layout.rows_per_shard,
                     num_shards=t.num_shards, route_capacity=caps.route,
                     owner_capacity=caps.owner, axis_name=t.axis,
-                    method=t.dedup_method)
+                    method=t.dedup_method, unique_impl=impl)
   return unique, plan
 
 
@@ -233,17 +237,26 @@ def update_shard(t: ShardedTable, table, slots, step, res: TableResiduals,
     True and some id has a row (an update with no rows, e.g. a batch of
     padding, is nothing to apply).
   """
-  owner_grads = to_owners(res.plan, token_grads, axis_name=t.axis)
-  norm = _global_norm(owner_grads, t.axis)
   psum = lambda x: jax.lax.psum(jnp.sum(x), t.axis)
   pmax = lambda x: jax.lax.pmax(jnp.max(x), t.axis)
   unique_ids = psum(res.plan.num_owner_unique)
-  apply = jnp.isfinite(norm) & gate & (unique_ids > 0)
   opt = t.spec.optimizer
-  table, slots = kernels.fused_update(
-      table, slots, res.plan.owner_rows, owner_grads, opt.scalars(step), apply,
-      optimizer=opt, dtype=t.spec.dtype,
-      backend=t.backend if opt.runs_in_kernel else "xla")
+  if (is_identity(res.plan, t.axis)
+      and kernels.fuses_segment_sum(t.backend, opt, t.spec.dtype)):
+    # Nothing travels: the slot sums, norm, gate and update are one pass.
+    table, slots, norm = kernels.segment_sum_update(
+        table, slots, res.plan.owner_rows, res.plan.token_slot, token_grads,
+        opt.scalars(step), gate & (unique_ids > 0), optimizer=opt,
+        dtype=t.spec.dtype)
+    apply = jnp.isfinite(norm) & gate & (unique_ids > 0)
+  else:
+    owner_grads = to_owners(res.plan, token_grads, axis_name=t.axis)
+    norm = _global_norm(owner_grads, t.axis)
+    apply = jnp.isfinite(norm) & gate & (unique_ids > 0)
+    table, slots = kernels.fused_update(
+        table, slots, res.plan.owner_rows, owner_grads, opt.scalars(step),
+        apply, optimizer=opt, dtype=t.spec.dtype,
+        backend=t.backend if opt.runs_in_kernel else "xla")
   metrics = TableMetrics(
       unique_ids=unique_ids,
       invalid_ids=psum(res.num_invalid),
