@@ -279,10 +279,12 @@ ffi::Error CheckShard(const F32& table, ffi::Result<F32>& table_out,
   sh->slot = nullptr;
   sh->slot_width = 0;
   if (slot != nullptr) {
-    const auto sd = slot->dimensions();
+    // Any shape with the bytes of (rows, width) in row-major order: a
+    // per-row scalar may be stored lane-dense as (rows / 128, 128).
     const int64_t want = slot_width_rule < 0 ? sh->dim : slot_width_rule;
-    if (sd.size() != 2u || sd[0] != sh->num_rows || sd[1] != want)
-      return ffi::Error::InvalidArgument("slot must be (rows, width of the rule)");
+    if (int64_t(slot->element_count()) != sh->num_rows * want)
+      return ffi::Error::InvalidArgument(
+          "slot must hold rows * (width of the rule) elements");
     if (slot->untyped_data() != (*slot_out)->untyped_data())
       return ffi::Error::InvalidArgument(
           "slot must be aliased to the output (input_output_aliases)");

@@ -311,17 +311,22 @@ def run(argv=()) -> dict:
       skipped["fbgemm"] = f"not installed ({why}); pip install '.[bench]'"
   bandwidth = copy_bandwidth()
   results = {"machine": machine_info(bandwidth, tuned), "workloads": [], "skipped": skipped}
-  for num_ids in (int(float(x)) for x in FLAGS.ids):
-    for vocab in (int(float(x)) for x in FLAGS.vocab):
-      w = run_workload(vocab, num_ids, FLAGS.dim, methods, bandwidth, FLAGS.steps, FLAGS.warmup,
-                       profile_steps=FLAGS.profile_steps, huge_pages=FLAGS.huge_pages)
-      results["workloads"].append(w)
-      # The kept heap would hold this workload's tables next to the next's.
-      gc.collect()
-      host_memory.release_free_memory()
-      line = "  ".join(f"{k} {v['median_ms']:.2f} ms" for k, v in w["methods"].items())
-      print(f"V={vocab:>11,} N={num_ids:>8,} unique={w['unique']:>7,}  {line}  "
-            f"floor {w['floor_ms']:.2f} ms", flush=True)
+  order = [(int(float(n)), int(float(v))) for n in FLAGS.ids for v in FLAGS.vocab]
+  done = {}
+  # Largest table first: its peak (two 5 GB tables and a dense 5 GB gradient
+  # at V = 10M) then lands on a fresh heap; run after the smaller workloads,
+  # on the heap they fragmented, it outgrew a 23 GB machine.
+  for num_ids, vocab in sorted(order, key=lambda nv: (-nv[1], -nv[0])):
+    w = run_workload(vocab, num_ids, FLAGS.dim, methods, bandwidth, FLAGS.steps, FLAGS.warmup,
+                     profile_steps=FLAGS.profile_steps, huge_pages=FLAGS.huge_pages)
+    done[num_ids, vocab] = w
+    # The kept heap would hold this workload's tables next to the next's.
+    gc.collect()
+    host_memory.release_free_memory()
+    line = "  ".join(f"{k} {v['median_ms']:.2f} ms" for k, v in w["methods"].items())
+    print(f"V={vocab:>11,} N={num_ids:>8,} unique={w['unique']:>7,}  {line}  "
+          f"floor {w['floor_ms']:.2f} ms", flush=True)
+  results["workloads"] = [done[k] for k in order]
   if FLAGS.pipeline_steps:
     results["pipelines"] = run_pipelines(FLAGS.pipeline_steps, FLAGS.pipeline_devices,
                                          FLAGS.pipeline_batch_size)

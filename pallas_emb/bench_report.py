@@ -29,11 +29,15 @@ def _times(x: float) -> str:
 
 
 def _load(machine: dict) -> str:
-  """The 1-minute load average at the run's start and end, if recorded."""
-  if "load_avg_at_start" not in machine:
-    return ""
-  return (f"; load average {machine['load_avg_at_start'][0]:.1f} at the start, "
-          f"{machine['load_avg_at_end'][0]:.1f} at the end")
+  """How busy the machine was: the 1-minute load average at the run's start
+  and end, and the copy bandwidth measured, when recorded."""
+  text = ""
+  if "load_avg_at_start" in machine:
+    text += (f"; load average {machine['load_avg_at_start'][0]:.1f} at the "
+             f"start, {machine['load_avg_at_end'][0]:.1f} at the end")
+  if "copy_bandwidth_gbps" in machine:
+    text += f"; a 1 GiB copy ran at {machine['copy_bandwidth_gbps']:.1f} GB/s"
+  return text
 
 
 def render(results: dict) -> str:
@@ -61,12 +65,11 @@ def render(results: dict) -> str:
         + f" | {_ms(w['floor_ms'])} | {ratio('fused', 'fbgemm')} | "
         + (_times(med["dense"] / med["fused"]) if "dense" in med and "fused" in med else "–")
         + " |")
-  prof = ws[0].get("profile", {}).get("fused")
-  if prof:
+  for name, prof in ws[0].get("profile", {}).items():
     stages = prof["stages_ms"]
-    lines += ["", f"Where the first workload's fused step went (backend "
-              f"\"{prof['backend']}\", `bench_stages`; median ms):", "",
-              "| " + " | ".join(stages) + " |",
+    lines += ["", f"Where the first workload's {NAMES.get(name, name)} step "
+              f"went (backend \"{prof['backend']}\", `bench_stages`; median ms):",
+              "", "| " + " | ".join(stages) + " |",
               "| " + " | ".join("---:" for _ in stages) + " |",
               "| " + " | ".join(f"{v:.2f}" for v in stages.values()) + " |"]
   return "\n".join(lines)

@@ -203,3 +203,21 @@ def test_squares_past_float32_still_apply_like_xla():
   assert bool(got["native"].applied) and bool(got["xla"].applied)
   np.testing.assert_allclose(float(got["native"].grad_norm),
                              float(got["xla"].grad_norm), rtol=1e-5)
+
+
+@needs_native
+def test_the_native_step_updates_table_and_slots_in_place():
+  # 256 rows: row-wise Adagrad's accumulator is stored lane-dense (2, 128).
+  # A copy of the table or of a slot would cost a pass over it every step.
+  emb = _emb("native", pe.RowWiseAdagrad(0.1), rows=256)
+  state = emb.init(jax.random.key(8))
+  ids, grads = _batch(np.random.default_rng(8), 256), _grads(np.random.default_rng(8))
+  step = jax.jit(lambda s, i, g: emb.apply_gradients(s, emb.plan(i), g)[0],
+                 donate_argnums=0)
+  hlo = step.lower(state, ids, grads).compile().as_text()
+  assert "PeRowwiseAdagradSegsumUpdate" in hlo
+  shapes = [f"f32[{','.join(map(str, x.shape))}]"
+            for x in jax.tree.leaves(state["t"]) if x.ndim == 2]
+  copies = [l for l in hlo.splitlines()
+            if any(f"= {s}" in l for s in shapes) and ("copy" in l.split("=", 1)[1])]
+  assert not copies, copies

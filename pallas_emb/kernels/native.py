@@ -3,7 +3,7 @@
 Three operations run natively on a CPU device (the library: `native_lib`):
 
 * `unique_keys`: dedup's sort, an LSD radix sort; a drop-in for the
-  sort-based core of `sharding.dedup.unique_keys`.
+  "search" core of `sharding.dedup.unique_keys` (its `impl`).
 * `segment_sum_update`: one device's whole update in one pass over the rows:
   per-row sums of the token gradients, global norm and gate, optimizer math,
   written in place (the one-device step, where no gradient travels).
@@ -71,7 +71,7 @@ def unique_keys(keys: jax.Array, capacity: int
   Returns:
     (keys (capacity,) ascending and INT32_MAX-padded, inverse (n,) slot of
     each input or -1, num_unique () including keys over capacity), int32,
-    bit for bit those of the sort-based `unique_keys`.
+    bit for bit those of `sharding.dedup.unique_keys(..., "search")`.
   """
   n = keys.shape[0]
   return jax.ffi.ffi_call(native_lib.UNIQUE_KEYS, (
@@ -115,19 +115,18 @@ def _scalars(rule: _Rule, scalars: NamedTuple) -> jax.Array:
 def _call(rule: _Rule, kind: str, table, slots: Mapping[str, jax.Array],
           operands, extra_results=()):
   names = list(slots)
-  # The kernels see each slot as (rows, width); a per-row scalar stored
-  # lane-dense, (rows / 128, 128), has the same bytes in the same order, so
-  # the reshape is free and the update stays in place.
-  rows = [slots[k].reshape(table.shape[0], -1) for k in names]
+  # Slots go in their stored shape: a per-row scalar stored lane-dense,
+  # (rows / 128, 128), has the bytes of (rows, 1) in the same order, and the
+  # kernels only check its element count. A reshape here would make XLA copy
+  # the slot in and out on every step (it does not alias a reshaped operand).
   results = ((jax.ShapeDtypeStruct(table.shape, table.dtype),)
-             + tuple(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in rows)
-             + tuple(extra_results))
+             + tuple(jax.ShapeDtypeStruct(slots[k].shape, slots[k].dtype)
+                     for k in names) + tuple(extra_results))
   aliases = {i: i for i in range(1 + len(names))}
   out = jax.ffi.ffi_call(rule.target + kind, results,
-                         input_output_aliases=aliases)(table, *rows, *operands)
-  new_slots = {k: v.reshape(slots[k].shape)
-               for k, v in zip(names, out[1:1 + len(names)])}
-  return out[0], new_slots, out[1 + len(names):]
+                         input_output_aliases=aliases)(
+                             table, *(slots[k] for k in names), *operands)
+  return out[0], dict(zip(names, out[1:1 + len(names)])), out[1 + len(names):]
 
 
 def _require(optimizer: RowUpdate, dtype) -> _Rule:
