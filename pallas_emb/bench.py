@@ -1,21 +1,23 @@
 """Benchmarks of the fused sparse update, against what a user has without it.
 
     python -m pallas_emb.bench --json bench.json [--vocab 1000000,10000000]
-        [--ids 65536] [--steps 30] [--methods fused,dense,fbgemm] [--plot bench.png]
+        [--ids 65536] [--steps 30] [--methods fused,fused_xla,dense,fbgemm]
+        [--plot bench.png] [--profile_steps 10]
     python -m pallas_emb.bench --json dlrm.json --workload=dlrm  # see bench_dlrm
 
 Per workload (V rows x D float32, N ids drawn as `(rng(0).zipf(1.1, N) - 1) %
 V`, one gradient row per id, row-wise Adagrad with lr 0.01, eps 1e-8, no
 decay), in one process and interleaved step by step, so that the machine's
-noise hits every method alike:
+noise hits every method alike, it times the methods of `bench_methods`:
+fused (this project's update on the platform's default backend: "native"
+on CPU when its library is built), fused_xla (the XLA path), dense (a dense
+gradient and row-wise Adagrad over the whole table) and fbgemm (FBGEMM's CPU
+backward, when `torch` and `fbgemm_gpu` import: `pip install ".[bench]"`).
 
-* fused: this project's sparse update (dedup, segment sum, fused row update
-  in place), XLA path, one device: `apply_gradients(plan(ids), grads)`;
-* dense: what a JAX user writes without it: `jax.vjp` of the lookup (a dense
-  (V, D) gradient) and row-wise Adagrad over the whole table, jitted, donated;
-* fbgemm: FBGEMM's CPU table-batched embedding with EXACT_ROWWISE_ADAGRAD,
-  SUM pooling of bags of one id, timed as backward only (when `torch` and
-  `fbgemm_gpu` import: `pip install ".[bench]"`).
+Tables, ours and FBGEMM's alike, are put on transparent huge pages
+(`host_memory.use_huge_pages`; --nohuge_pages to measure without). After the
+timed steps, --profile_steps more steps of each fused method are profiled
+stage by stage (`bench_stages`) into the workload's "profile".
 
 It also measures the memory bandwidth (a 1 GiB copy) and reports the floor
 `bytes / bandwidth` with bytes = unique*D*4*2 + unique*4*2 + N*D*4 + N*4 (read
@@ -23,6 +25,7 @@ and write each touched row and accumulator once, read each gradient row and id
 once), and, with --pipeline_steps, the examples/s of the main job's model with
 the async and the exact embedding pipelines. Times are medians (and min/max)
 over --steps steps after --warmup; a benchmark is a program, not a test.
+--plot draws step time against V (per N) and against N (per V), log-log.
 """
 
 from __future__ import annotations
@@ -50,7 +53,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pallas_emb as pe  # noqa: E402
+from pallas_emb import bench_stages  # noqa: E402
 from pallas_emb import host_memory  # noqa: E402
+from pallas_emb.bench_methods import (  # noqa: E402  pylint: disable=unused-import
+    METHODS, Dense, FbgemmBackward, Fused, SharedTable, fbgemm_available)
 
 FLAGS = flags.FLAGS
 
@@ -67,16 +73,18 @@ def define_flags() -> None:
   flags.DEFINE_integer("dim", 128, "Row width D.")
   flags.DEFINE_integer("steps", 30, "Timed steps per method and workload (>= 20 recommended).")
   flags.DEFINE_integer("warmup", 3, "Untimed steps first (compilation, first touch).")
-  flags.DEFINE_list("methods", ["fused", "dense", "fbgemm"], "Methods to time.")
+  flags.DEFINE_list("methods", list(METHODS), "Methods to time.")
   flags.DEFINE_string("plot", None, "Write a log-log plot of step time vs V here (.png).")
   flags.DEFINE_integer("pipeline_steps", 40, "Steps of the async vs exact pipeline comparison (0: skip).")
   flags.DEFINE_integer("pipeline_devices", 8, "Devices of the pipeline comparison (simulated on CPU).")
   flags.DEFINE_integer("pipeline_batch_size", 1024, "Batch size of the pipeline comparison.")
+  flags.DEFINE_integer("profile_steps", 10, "Steps of the per-stage profile of each fused method "
+                       "(0: none).")
+  flags.DEFINE_bool("huge_pages", True, "Put the tables (ours and FBGEMM's) on transparent huge "
+                    "pages (see pallas_emb.host_memory).")
   flags.DEFINE_bool("keep_freed_memory", True, "Keep freed heap memory (see pallas_emb.host_memory); "
                     "--nokeep_freed_memory measures with the allocator's defaults.")
 
-
-LEARNING_RATE, EPS = 0.01, 1e-8
 
 
 def zipf_ids(num_ids: int, vocab: int) -> np.ndarray:
@@ -134,100 +142,6 @@ class PeakRss:
     self.peak = max(self.peak, self._rss())
 
 
-class SharedTable:
-  """One (V, D) table and accumulator in JAX, passed between the JAX
-  methods (each donates it and hands on the result), so a 10M-row workload
-  holds a single table."""
-
-  def __init__(self, vocab: int, dim: int, capacity: int):
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
-    spec = pe.TableSpec("t", vocab, dim, dtype=jnp.float32,
-                        optimizer=pe.RowWiseAdagrad(LEARNING_RATE, eps=EPS,
-                                                    half_life_steps=None),
-                        initializer=jax.nn.initializers.zeros,
-                        unique_capacity=capacity)
-    self.emb = pe.ShardedEmbedding([spec], [pe.FeatureSpec("f", "t", "sum")],
-                                   mesh, "x", backend="xla")
-    self.state = self.emb.init(jax.random.key(0))
-
-
-class Fused:
-  name = "fused"
-
-  def __init__(self, shared: SharedTable, ids: np.ndarray, grads: jax.Array):
-    self.shared, emb = shared, shared.emb
-    self.ids = jax.device_put(ids.reshape(-1, 1))
-    self.grads = grads
-    self._step = jax.jit(
-        lambda state, ids, g: emb.apply_gradients(state, emb.plan({"f": ids}),
-                                                  {"f": g})[0],
-        donate_argnums=0)
-
-  def step(self):
-    self.shared.state = self._step(self.shared.state, self.ids, self.grads)
-    jax.block_until_ready(self.shared.state)
-
-
-class Dense:
-  name = "dense"
-
-  def __init__(self, shared: SharedTable, ids: np.ndarray, grads: jax.Array):
-    self.shared = shared
-    self.ids, self.grads = jax.device_put(ids), grads
-
-    def step(table, acc, ids, g):
-      _, vjp = jax.vjp(lambda t: t[ids], table)
-      (dense_grad,) = vjp(g)
-      # The accumulator as (rows, 1), whatever its stored shape.
-      rows = acc.reshape(-1, 1) + jnp.mean(dense_grad * dense_grad, axis=1,
-                                           keepdims=True)
-      return (table - LEARNING_RATE * dense_grad / (jnp.sqrt(rows) + EPS),
-              rows.reshape(acc.shape))
-
-    self._step = jax.jit(step, donate_argnums=(0, 1))
-
-  def step(self):
-    ts = self.shared.state["t"]
-    table, acc = self._step(ts.table, ts.slots["acc"], self.ids, self.grads)
-    self.shared.state = {"t": pe.TableState(table, {"acc": acc}, ts.step)}
-    jax.block_until_ready(table)
-
-
-class FbgemmBackward:
-  name = "fbgemm"
-
-  def __init__(self, vocab: int, dim: int, ids: np.ndarray, grads: np.ndarray):
-    import torch  # pylint: disable=g-import-not-at-top
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (  # pylint: disable=g-import-not-at-top
-        EmbeddingLocation, PoolingMode)
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # pylint: disable=g-import-not-at-top
-        ComputeDevice, OptimType, SplitTableBatchedEmbeddingBagsCodegen)
-    self.torch = torch
-    self.module = SplitTableBatchedEmbeddingBagsCodegen(
-        [(vocab, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
-        optimizer=OptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=LEARNING_RATE,
-        eps=EPS, pooling_mode=PoolingMode.SUM)
-    self.ids = torch.from_numpy(ids.astype(np.int64))
-    self.offsets = torch.arange(len(ids) + 1, dtype=torch.int64)
-    self.grads = torch.from_numpy(np.asarray(grads))
-
-  def step(self) -> float:
-    out = self.module(self.ids, self.offsets)  # the forward is not timed
-    tic = time.perf_counter()
-    out.backward(self.grads)
-    return time.perf_counter() - tic
-
-
-def fbgemm_available() -> str | None:
-  """None if FBGEMM imports, else why not."""
-  try:
-    import torch  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
-    import fbgemm_gpu  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
-  except Exception as e:  # pylint: disable=broad-except
-    return f"{type(e).__name__}: {e}"
-  return None
-
-
 def _summary(times, peak_rss) -> dict:
   ms = np.asarray(times) * 1e3
   return {"median_ms": float(np.median(ms)), "min_ms": float(ms.min()),
@@ -236,21 +150,25 @@ def _summary(times, peak_rss) -> dict:
 
 
 def run_workload(vocab: int, num_ids: int, dim: int, methods, bandwidth: float,
-                 steps: int, warmup: int) -> dict:
+                 steps: int, warmup: int, *, profile_steps: int = 0,
+                 huge_pages: bool = True) -> dict:
+  """Times `methods` (names of `bench_methods.METHODS`) on one workload."""
   ids = zipf_ids(num_ids, vocab)
   unique = int(len(np.unique(ids)))
   # The capacity a user would set from the unique counts the metrics report.
   capacity = 1 << int(np.ceil(np.log2(unique)))
   grads_np = np.random.default_rng(1).normal(size=(num_ids, dim)).astype(np.float32)
   runners = []
-  needs_jax = [m for m in methods if m in ("fused", "dense")]
+  needs_jax = [m for m in methods if m != "fbgemm"]
+  shared = None
   if needs_jax:
-    shared = SharedTable(vocab, dim, capacity)
+    shared = SharedTable(vocab, dim, capacity, huge_pages=huge_pages)
     grads = jax.device_put(grads_np)
     for m in needs_jax:
-      runners.append((Fused if m == "fused" else Dense)(shared, ids, grads))
+      runners.append(Dense(shared, ids, grads) if m == "dense" else Fused(
+          shared, ids, grads, backend=None if m == "fused" else m[len("fused_"):]))
   if "fbgemm" in methods:
-    runners.append(FbgemmBackward(vocab, dim, ids, grads_np))
+    runners.append(FbgemmBackward(vocab, dim, ids, grads_np, huge_pages=huge_pages))
   for r in runners:  # compile, first touch
     for _ in range(warmup):
       r.step()
@@ -264,9 +182,28 @@ def run_workload(vocab: int, num_ids: int, dim: int, methods, bandwidth: float,
         elapsed = time.perf_counter() - tic
       times[r.name].append(inner if isinstance(inner, float) else elapsed)
   floor_s = floor_bytes(unique, num_ids, dim) / bandwidth
-  return {"vocab": vocab, "ids": num_ids, "dim": dim, "unique": unique,
-          "unique_capacity": capacity, "floor_ms": floor_s * 1e3,
-          "methods": {name: _summary(t, rss[name].peak) for name, t in times.items()}}
+  summary = {name: _summary(t, rss[name].peak) for name, t in times.items()}
+  for r in runners:
+    if isinstance(r, Fused):
+      summary[r.name]["backend"] = r.backend
+  result = {"vocab": vocab, "ids": num_ids, "dim": dim, "unique": unique,
+            "unique_capacity": capacity, "floor_ms": floor_s * 1e3,
+            "huge_page_bytes": {r.name: r.huge_page_bytes for r in runners
+                                if isinstance(r, FbgemmBackward)} | (
+                {"jax": shared.huge_page_bytes} if shared else {}),
+            "methods": summary}
+  if profile_steps:
+    result["profile"] = {r.name: profile(r, profile_steps)
+                         for r in runners if isinstance(r, Fused)}
+  return result
+
+
+def profile(r: Fused, steps: int) -> dict:
+  """The per-stage profile of one fused method; see `bench_stages`."""
+  stages = (bench_stages.native_stages(r.step, lambda: r.plan(r.ids), steps)
+            if r.backend == "native" else
+            bench_stages.xla_stages(r.emb, r.shared, r.ids, r.grads, r.step, steps))
+  return {"backend": r.backend, "stages_ms": stages}
 
 
 def run_pipelines(steps: int, num_devices: int, batch_size: int) -> dict:
@@ -281,7 +218,7 @@ def run_pipelines(steps: int, num_devices: int, batch_size: int) -> dict:
   runs = {}
   for name, config in (("async", pe.TrainConfig(use_async_emb=True)),
                        ("exact", pe.TrainConfig(use_async_emb=True, exact=True))):
-    emb, model = build_ranking(dataset, mesh, emb_dim=16, backend="xla",
+    emb, model = build_ranking(dataset, mesh, emb_dim=16,
                                optimizer=pe.RowWiseAdagrad(0.05, half_life_steps=None))
     feeder = GlobalBatches(dataset, batch_size, emb.sharding())
     batches = [feeder.train(i) for i in range(8)]
@@ -308,7 +245,8 @@ def machine_info(bandwidth: float, malloc_tuned: bool) -> dict:
           "cpus": os.cpu_count(), "jax": jax.__version__,
           "jax_backend": jax.default_backend(), "copy_bandwidth_gbps": bandwidth / 1e9,
           "keep_freed_memory": malloc_tuned,
-          "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+          "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+          "load_avg": list(os.getloadavg())}
   try:
     with open("/proc/cpuinfo") as f:
       models = [l.split(":", 1)[1].strip() for l in f if l.startswith("model name")]
@@ -326,21 +264,38 @@ def machine_info(bandwidth: float, malloc_tuned: bool) -> dict:
 
 
 def plot(results: dict, path: str) -> None:
+  """Log-log step time against V (one line per method and N) and, when the
+  run has several N, against N (one line per method and V)."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, ax = plt.subplots(figsize=(6, 4))
-  num_ids = results["workloads"][0]["ids"]
-  ws = sorted((w for w in results["workloads"] if w["ids"] == num_ids), key=lambda w: w["vocab"])
-  for method in sorted({m for w in ws for m in w["methods"]}):
-    pts = [(w["vocab"], w["methods"][method]["median_ms"]) for w in ws if method in w["methods"]]
-    ax.plot(*zip(*pts), marker="o", label=method)
-  ax.plot([w["vocab"] for w in ws], [w["floor_ms"] for w in ws], "k--", label="memory floor")
-  ax.set(xscale="log", yscale="log", xlabel="table rows V",
-         ylabel="update step time (ms, median)",
-         title=f"row-wise Adagrad update, N={num_ids} ids, D={ws[0]['dim']}")
-  ax.legend()
-  ax.grid(True, which="both", alpha=0.3)
+  ws = results["workloads"]
+  sizes = {"vocab": sorted({w["vocab"] for w in ws}), "ids": sorted({w["ids"] for w in ws})}
+  axes_over = [x for x in ("vocab", "ids") if len(sizes[x]) > 1] or ["vocab"]
+  fig, axes = plt.subplots(1, len(axes_over), figsize=(6.5 * len(axes_over), 4.5), squeeze=False)
+  methods = sorted({m for w in ws for m in w["methods"]})
+  colors = {m: f"C{i}" for i, m in enumerate(methods)}
+  for ax, x in zip(axes[0], axes_over):
+    other = "ids" if x == "vocab" else "vocab"
+    styles = dict(zip(sizes[other], ["-", "--", ":", "-."] * 4))
+    markers = dict(zip(sizes[other], "osD^v<>" * 4))
+    for method in methods:
+      for o in sizes[other]:
+        pts = sorted((w[x], w["methods"][method]["median_ms"]) for w in ws
+                     if w[other] == o and method in w["methods"])
+        if pts:
+          ax.plot(*zip(*pts), color=colors[method], ls=styles[o], marker=markers[o],
+                  label=f"{method}, {'N' if other == 'ids' else 'V'}={o:,}")
+    for o in sizes[other]:
+      pts = sorted((w[x], w["floor_ms"]) for w in ws if w[other] == o)
+      ax.plot(*zip(*pts), color="k", ls=styles[o], lw=0.8, alpha=0.6,
+              label=f"memory floor, {'N' if other == 'ids' else 'V'}={o:,}")
+    ax.set(xscale="log", yscale="log",
+           xlabel="table rows V" if x == "vocab" else "ids per step N",
+           ylabel="update step time (ms, median)",
+           title=f"row-wise Adagrad update, D={ws[0]['dim']}")
+    ax.legend(fontsize=7)
+    ax.grid(True, which="both", alpha=0.3)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
 
@@ -349,9 +304,9 @@ def run(argv=()) -> dict:
   del argv
   tuned = host_memory.keep_freed_memory() if FLAGS.keep_freed_memory else False
   methods = [m.strip() for m in FLAGS.methods]
-  unknown = sorted(set(methods) - {"fused", "dense", "fbgemm"})
+  unknown = sorted(set(methods) - set(METHODS))
   if unknown:
-    raise app.UsageError(f"--methods: unknown {unknown}; choose from fused, dense, fbgemm.")
+    raise app.UsageError(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}.")
   skipped = {}
   if "fbgemm" in methods:
     why = fbgemm_available()
@@ -368,21 +323,31 @@ def run(argv=()) -> dict:
     with open(FLAGS.json, "w") as f:
       json.dump(results, f, indent=2)
     return results
-  for num_ids in (int(float(x)) for x in FLAGS.ids):
-    for vocab in (int(float(x)) for x in FLAGS.vocab):
-      w = run_workload(vocab, num_ids, FLAGS.dim, methods, bandwidth, FLAGS.steps, FLAGS.warmup)
-      results["workloads"].append(w)
-      # The kept heap would hold this workload's tables next to the next's.
-      gc.collect()
-      host_memory.release_free_memory()
-      line = "  ".join(f"{k} {v['median_ms']:.2f} ms" for k, v in w["methods"].items())
-      print(f"V={vocab:>11,} N={num_ids:>8,} unique={w['unique']:>7,}  {line}  "
-            f"floor {w['floor_ms']:.2f} ms", flush=True)
+  order = [(int(float(n)), int(float(v))) for n in FLAGS.ids for v in FLAGS.vocab]
+  done = {}
+  # Largest table first: its peak (two 5 GB tables and a dense 5 GB gradient
+  # at V = 10M) then lands on a fresh heap; run after the smaller workloads,
+  # on the heap they fragmented, it outgrew a 23 GB machine.
+  for num_ids, vocab in sorted(order, key=lambda nv: (-nv[1], -nv[0])):
+    w = run_workload(vocab, num_ids, FLAGS.dim, methods, bandwidth, FLAGS.steps, FLAGS.warmup,
+                     profile_steps=FLAGS.profile_steps, huge_pages=FLAGS.huge_pages)
+    done[num_ids, vocab] = w
+    # The kept heap would hold this workload's tables next to the next's.
+    gc.collect()
+    host_memory.release_free_memory()
+    line = "  ".join(f"{k} {v['median_ms']:.2f} ms" for k, v in w["methods"].items())
+    print(f"V={vocab:>11,} N={num_ids:>8,} unique={w['unique']:>7,}  {line}  "
+          f"floor {w['floor_ms']:.2f} ms", flush=True)
+  results["workloads"] = [done[k] for k in order]
   if FLAGS.pipeline_steps:
     results["pipelines"] = run_pipelines(FLAGS.pipeline_steps, FLAGS.pipeline_devices,
                                          FLAGS.pipeline_batch_size)
     print("pipelines: " + "  ".join(f"{k} {v['examples_per_sec']:.0f} ex/s"
                                     for k, v in results["pipelines"].items()), flush=True)
+  # Other processes share the cores: the load during the run says how far
+  # its absolute times can be trusted (the ratios, interleaved, hold better).
+  results["machine"]["load_avg_at_start"] = results["machine"].pop("load_avg")
+  results["machine"]["load_avg_at_end"] = list(os.getloadavg())
   with open(FLAGS.json, "w") as f:
     json.dump(results, f, indent=2)
   if FLAGS.plot:

@@ -52,8 +52,8 @@ class ShardedEmbedding:
     mesh: the device mesh. The batch and every table are sharded over `axis`;
       other mesh axes (if any) hold replicas.
     axis: the mesh axis name tables and data are sharded over.
-    backend: "pallas", "interpret", "xla" or None: "pallas" on a mesh of
-      TPUs, "xla" elsewhere.
+    backend: "pallas", "interpret", "xla", "native" or None: "pallas" on a
+      mesh of TPUs, "native" on CPUs when its library is built, else "xla".
     stacking: "auto" (default: tables of equal dim, dtype, optimizer,
       initializer and layout are stored and updated as one, see
       `pallas_emb.stacking`), "off", or a dict group name -> table names.

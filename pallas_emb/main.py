@@ -39,7 +39,9 @@ flags.DEFINE_integer("batch_size", 1024, "Global batch size (a multiple of the d
 flags.DEFINE_string("data", "synthetic", "'synthetic' or 'movielens:PATH' (u.data, ratings.dat, ratings.csv).")
 flags.DEFINE_integer("devices", None, "Devices per process in the mesh (default: all of them; on CPU "
                      "8 simulated devices, or this many).")
-flags.DEFINE_enum("backend", None, ["xla", "interpret", "pallas"], "Kernel backend; default: pallas on TPU, xla elsewhere.")
+flags.DEFINE_enum("backend", None, ["xla", "native", "interpret", "pallas"],
+                  "Kernel backend; default: pallas on TPU, native on CPU (when its library is built), "
+                  "xla elsewhere.")
 flags.DEFINE_bool("async_emb", True, "Train tables with the fused asynchronous update (--noasync_emb: synchronous sparse update).")
 flags.DEFINE_bool("exact_emb", False, "With --async_emb, apply each step's embedding gradient within the step (no staleness).")
 flags.DEFINE_enum("optimizer", "rowwise_adagrad", ["rowwise_adagrad", "adagrad", "sgd", "lazy_adam", "ftrl", "optax_adam"],

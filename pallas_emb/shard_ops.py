@@ -8,6 +8,8 @@ rows). Top to bottom:
     lookup:  dedup -> plan_route -> gather -> from_owners -> pool
     update:  expand -> to_owners (segment sum, exchange, merge) -> norm and
              gate -> fused update
+             (one device on the native CPU backend: segment sum, norm, gate
+             and update are one native pass)
 
 `ShardedTable` is the static description both halves share; `programs`
 wraps these functions in `shard_map` and `jax.jit`.
@@ -32,7 +34,8 @@ from pallas_emb.tokens import concat_tokens, split_tokens
 from sharding.dedup import Unique, dedup
 from sharding.layout import SENTINEL, RowLayout
 from sharding.route import (
-    PLAN_SCALARS, RoutePlan, empty_plan, from_owners, plan_route, to_owners)
+    PLAN_SCALARS, RoutePlan, empty_plan, from_owners, is_identity, plan_route,
+    to_owners)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +49,7 @@ class ShardedTable:
     capacities: its buffer sizes for this batch shape.
     mesh: the device mesh.
     axis: the mesh axis rows and data are sharded over.
-    backend: "pallas", "interpret" or "xla".
+    backend: "pallas", "interpret", "xla" or "native".
     members: the member tables when this is a stack of several (see
       `pallas_emb.members`): then the counts of `TableResiduals` and every
       field of `TableMetrics` are per member, (M,).
@@ -97,11 +100,13 @@ def _route(t: ShardedTable, blocks: Sequence):
   ids, dropped = zip(*(pooling.token_ids(x) for x in blocks))
   if t.members is not None:
     ids, invalid = members_lib.remap_ids(t.members, ids)
-  unique = dedup(jnp.concatenate(ids), t.layout, caps.unique, t.dedup_method)
+  impl = kernels.unique_impl(t.backend)
+  unique = dedup(jnp.concatenate(ids), t.layout, caps.unique, t.dedup_method,
+                 impl=impl)
   plan = plan_route(unique, rows_per_shard=t.layout.rows_per_shard,
                     num_shards=t.num_shards, route_capacity=caps.route,
                     owner_capacity=caps.owner, axis_name=t.axis,
-                    method=t.dedup_method)
+                    method=t.dedup_method, unique_impl=impl)
   if t.members is None:
     unique = unique._replace(num_overflow=unique.num_overflow + sum(dropped))
     return unique, plan, None
@@ -270,45 +275,57 @@ def update_shard(t: ShardedTable, table, slots, step, res: TableResiduals,
     (its metrics are (M,)); the stack's one step advances when any member
     is applied.
   """
-  owner_grads = to_owners(res.plan, token_grads, axis_name=t.axis)
   # Per-device counts arrive as (1,) or, per member, (1, M).
   psum = lambda x: jax.lax.psum(jnp.sum(x, axis=0), t.axis)
   pmax = lambda x: jax.lax.pmax(jnp.max(x, axis=0), t.axis)
   rows, owner_demand = res.plan.owner_rows, res.plan.owner_demand
-  own_clip = clip is None and t.spec.max_grad_norm is not None
-  if t.members is None:
-    norm = _global_norm(owner_grads, t.axis)
-    unique_ids = psum(res.plan.num_owner_unique)
-    apply = jnp.isfinite(norm) & gate & (unique_ids > 0)
-    if own_clip:
-      clip = (jnp.float32(t.spec.max_grad_norm), norm)
-    if clip is not None:
-      scale, finite = clip_scale(norm, clip)
-      owner_grads, apply = owner_grads * scale, apply & finite
-    write = apply
-  else:
-    n = t.members.count
-    member = members_lib.member_of_local(t.members, t.layout, rows,
-                                         jax.lax.axis_index(t.axis))
-    owner_demand = members_lib.count(member, n)[None]
-    norm = members_lib.global_norms(owner_grads, member, n, t.axis)
-    unique_ids = psum(owner_demand)
-    apply = jnp.isfinite(norm) & gate & (unique_ids > 0)
-    if own_clip:  # every member shares max_grad_norm (`stacking.stack_key`)
-      clip = (jnp.float32(t.spec.max_grad_norm), norm)
-    if clip is not None:
-      scale, finite = clip_scale(norm, clip)
-      per_row = jnp.concatenate([jnp.broadcast_to(scale, (n,)), jnp.ones((1,))])
-      owner_grads = owner_grads * per_row[member][:, None]
-      apply &= finite
-    rows, owner_grads = members_lib.keep_rows(
-        rows, owner_grads, jnp.concatenate([apply, jnp.zeros((1,), bool)])[member])
-    write = jnp.any(apply)
   opt = t.spec.optimizer
-  table, slots = kernels.fused_update(
-      table, slots, rows, owner_grads, opt.scalars(step), write,
-      optimizer=opt, dtype=t.spec.dtype,
-      backend=t.backend if opt.runs_in_kernel else "xla")
+  own_clip = clip is None and t.spec.max_grad_norm is not None
+  if (t.members is None and clip is None and not own_clip
+      and is_identity(res.plan, t.axis)
+      and kernels.fuses_segment_sum(t.backend, opt, t.spec.dtype)):
+    # Nothing travels: the slot sums, norm, gate and update are one pass.
+    unique_ids = psum(res.plan.num_owner_unique)
+    table, slots, norm = kernels.segment_sum_update(
+        table, slots, rows, res.plan.token_slot, token_grads,
+        opt.scalars(step), gate & (unique_ids > 0), optimizer=opt,
+        dtype=t.spec.dtype)
+    apply = write = jnp.isfinite(norm) & gate & (unique_ids > 0)
+  else:
+    owner_grads = to_owners(res.plan, token_grads, axis_name=t.axis)
+    if t.members is None:
+      norm = _global_norm(owner_grads, t.axis)
+      unique_ids = psum(res.plan.num_owner_unique)
+      apply = jnp.isfinite(norm) & gate & (unique_ids > 0)
+      if own_clip:
+        clip = (jnp.float32(t.spec.max_grad_norm), norm)
+      if clip is not None:
+        scale, finite = clip_scale(norm, clip)
+        owner_grads, apply = owner_grads * scale, apply & finite
+      write = apply
+    else:
+      n = t.members.count
+      member = members_lib.member_of_local(t.members, t.layout, rows,
+                                           jax.lax.axis_index(t.axis))
+      owner_demand = members_lib.count(member, n)[None]
+      norm = members_lib.global_norms(owner_grads, member, n, t.axis)
+      unique_ids = psum(owner_demand)
+      apply = jnp.isfinite(norm) & gate & (unique_ids > 0)
+      if own_clip:  # every member shares max_grad_norm (`stacking.stack_key`)
+        clip = (jnp.float32(t.spec.max_grad_norm), norm)
+      if clip is not None:
+        scale, finite = clip_scale(norm, clip)
+        per_row = jnp.concatenate([jnp.broadcast_to(scale, (n,)),
+                                   jnp.ones((1,))])
+        owner_grads = owner_grads * per_row[member][:, None]
+        apply &= finite
+      rows, owner_grads = members_lib.keep_rows(rows, owner_grads, jnp.concatenate(
+          [apply, jnp.zeros((1,), bool)])[member])
+      write = jnp.any(apply)
+    table, slots = kernels.fused_update(
+        table, slots, rows, owner_grads, opt.scalars(step), write,
+        optimizer=opt, dtype=t.spec.dtype,
+        backend=t.backend if opt.runs_in_kernel else "xla")
   metrics = TableMetrics(
       unique_ids=unique_ids,
       invalid_ids=psum(res.num_invalid),

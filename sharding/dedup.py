@@ -17,11 +17,15 @@ Two ways to find each input's slot, with identical results:
 
 `dedup` applies it to logical ids under a `RowLayout`, keyed by physical row so
 that the unique keys come out grouped by owner shard.
+
+The "search" core can be replaced by any `UniqueImpl` that gives the same
+arrays bit for bit (the caller's native CPU kernel, say): this package
+imports nothing from its callers, so they pass it in.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -64,14 +68,21 @@ class Unique(NamedTuple):
 
 METHODS = ("search", "sort")
 
+# (keys (n,) int32, capacity) -> (kept keys (capacity,), inverse (n,),
+# num_unique ()), all int32, exactly as `unique_keys` "search" defines them.
+UniqueImpl = Callable[[jax.Array, int], tuple[jax.Array, jax.Array, jax.Array]]
 
-def unique_keys(keys: jax.Array, capacity: int, method: str = "search") -> Unique:
+
+def unique_keys(keys: jax.Array, capacity: int, method: str = "search", *,
+                impl: UniqueImpl | None = None) -> Unique:
   """Distinct values of `keys` with a static capacity.
 
   Args:
     keys: (n,) int32. SENTINEL marks an input that has no key.
     capacity: static number of slots in the result, >= 1.
     method: "search" or "sort" (see the module docstring); same result.
+    impl: with "search", computes the keys, inverse and count instead of the
+      sort and search below; it must give the same bits.
 
   Returns:
     A `Unique`. The largest keys overflow first: the result is deterministic
@@ -84,6 +95,11 @@ def unique_keys(keys: jax.Array, capacity: int, method: str = "search") -> Uniqu
     raise ValueError(f"capacity must be >= 1, got {capacity}.")
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
+  if impl is not None and method == "search":
+    out_keys, inverse, num_unique = impl(keys, capacity)
+    return Unique(keys=out_keys, inverse=inverse, num_unique=num_unique,
+                  num_overflow=jnp.maximum(num_unique - capacity, 0),
+                  num_invalid=jnp.zeros((), jnp.int32))
   if method == "sort":
     sorted_keys, position = jax.lax.sort(
         (keys, jnp.arange(keys.shape[0], dtype=jnp.int32)), num_keys=1)
@@ -120,7 +136,7 @@ def unique_keys(keys: jax.Array, capacity: int, method: str = "search") -> Uniqu
 
 
 def dedup(ids: jax.Array, layout: RowLayout, capacity: int,
-          method: str = "search") -> Unique:
+          method: str = "search", *, impl: UniqueImpl | None = None) -> Unique:
   """Deduplicates logical ids, keyed by physical row.
 
   Args:
@@ -128,7 +144,7 @@ def dedup(ids: jax.Array, layout: RowLayout, capacity: int,
       [0, layout.num_rows) is invalid.
     layout: where the rows live; keys are `layout.physical_of(id)`.
     capacity: static number of unique slots.
-    method: see `unique_keys`.
+    method, impl: see `unique_keys`.
 
   Returns:
     A `Unique` whose keys are physical rows, ascending, hence grouped by owner.
@@ -139,6 +155,6 @@ def dedup(ids: jax.Array, layout: RowLayout, capacity: int,
   in_range = (ids >= 0) & (ids < layout.num_rows)
   keys = jnp.where(in_range, layout.physical_of(jnp.where(in_range, ids, 0)),
                    SENTINEL).astype(jnp.int32)
-  result = unique_keys(keys, capacity, method)
+  result = unique_keys(keys, capacity, method, impl=impl)
   num_invalid = jnp.sum(~in_range & (ids != PAD_ID), dtype=jnp.int32)
   return result._replace(num_invalid=num_invalid)

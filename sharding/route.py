@@ -30,7 +30,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from sharding.dedup import Unique, unique_keys
+from sharding.dedup import Unique, UniqueImpl, unique_keys
 from sharding.layout import SENTINEL
 
 
@@ -131,6 +131,7 @@ def plan_route(
     owner_capacity: int,
     axis_name,
     method: str = "search",
+    unique_impl: UniqueImpl | None = None,
 ) -> RoutePlan:
   """Buckets a source's distinct physical rows by owner and exchanges them.
 
@@ -143,6 +144,7 @@ def plan_route(
     owner_capacity: distinct rows one owner may receive.
     axis_name: the mesh axis the table is sharded over.
     method: how the owner merges what it receives (`dedup.unique_keys`).
+    unique_impl: the merge's `unique_keys` implementation (`impl`).
   """
   keys = unique.keys
   capacity = keys.shape[0]
@@ -175,7 +177,7 @@ def plan_route(
     merged = _identity_merge(recv_rows, owner_capacity)
   else:
     merged = unique_keys(jnp.where(recv_rows >= 0, recv_rows, SENTINEL),
-                         owner_capacity, method)
+                         owner_capacity, method, impl=unique_impl)
   return RoutePlan(
       token_slot=token_slot,
       send_keys=send_keys,
@@ -219,7 +221,7 @@ def to_owners(plan: RoutePlan, values: jax.Array, *, axis_name) -> jax.Array:
   num_slots = plan.owner_inverse.shape[0]
   send = jax.ops.segment_sum(values, _drop_negative(plan.token_slot, num_slots),
                              num_segments=num_slots)
-  if _is_identity(plan, axis_name):
+  if is_identity(plan, axis_name):
     # One source and every slot its own owner row: nothing moves or merges.
     return send
   owner_capacity = plan.owner_rows.shape[0]
@@ -250,13 +252,17 @@ def from_owners(plan: RoutePlan, slot_values: jax.Array, *, axis_name,
   Returns:
     (n, ...) per id of this source; zero for ids without a slot.
   """
-  back = slot_values if _is_identity(plan, axis_name) else _exchange(
+  back = slot_values if is_identity(plan, axis_name) else _exchange(
       slot_values, axis_name)
   return take(back, plan.token_slot)
 
 
-def _is_identity(plan: RoutePlan, axis_name) -> bool:
-  """One shard and no capacity cut: slot i is owner row i (static)."""
+def is_identity(plan: RoutePlan, axis_name) -> bool:
+  """One shard and no capacity cut: slot i is owner row i (static).
+
+  Then nothing travels: `to_owners` is one segment sum of the ids' values
+  by `token_slot`, and a caller may fuse it with what the owner does next.
+  """
   return (jax.lax.axis_size(axis_name) == 1
           and plan.owner_inverse.shape == plan.owner_rows.shape)
 

@@ -186,7 +186,7 @@ def make_context_handle(
     table: the table's `TableSpec`.
     features: the features that read it; default one sequence feature named
       like the table.
-    backend: "pallas" | "interpret" | "xla" | None (by platform).
+    backend: "pallas" | "interpret" | "xla" | "native" | None (by platform).
     num_devices_per_node: accepted for compatibility; must divide the number
       of devices when given (TPU slices need no node grouping).
     context_id: an id for messages.

@@ -1,7 +1,9 @@
 """Row gather and fused optimizer update over one device's row shard.
 
 `gather` and `fused_update` dispatch on a backend name ("pallas",
-"interpret", "xla"); see `backend.py`. A leaf of the package: kernels import
+"interpret", "xla", "native"); see `backend.py`. The native CPU backend adds
+two operations: `unique_impl`, the dedup core that `sharding.dedup` takes,
+and `segment_sum_update`, one device's whole update in one pass. A leaf of the package: kernels import
 only `errors` and `packing`, take any optimizer with `update_rows` (see
 `protocol.RowUpdate`) and know nothing of training.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 # function by `fused_update` the module after its first call.
 from pallas_emb.kernels import fused_update as _pallas_update
 from pallas_emb.kernels import gather as _pallas_gather
-from pallas_emb.kernels import chip, xla
+from pallas_emb.kernels import chip, native, xla
 from pallas_emb.kernels.backend import (
     BACKENDS, check_name, default_backend, resolve_backend)
 
@@ -35,7 +37,7 @@ def uses_kernel(backend: str, table, slots=None, optimizer=None) -> bool:
   at any width: that is how they are tested. The update kernel also needs
   whole 128-row groups of a shard with per-row scalar slots.
   """
-  if check_name(backend) == "xla":
+  if check_name(backend) in ("xla", "native"):
     return False
   if slots is not None and not _pallas_update.supports(
       table, slots, optimizer.slot_specs()):
@@ -54,6 +56,9 @@ def gather(table, rows, *, dtype, backend: str):
 def fused_update(table, slots, rows, grads, scalars, apply, *, optimizer,
                  dtype, backend: str):
   """In-place optimizer update of distinct rows; see `xla.fused_update`."""
+  if backend == "native" and native.supports(optimizer, dtype):
+    return native.fused_update(table, slots, rows, grads, scalars, apply,
+                               optimizer=optimizer, dtype=dtype)
   if not uses_kernel(backend, table, slots, optimizer):
     return xla.fused_update(table, slots, rows, grads, scalars, apply,
                             optimizer=optimizer, dtype=dtype)
@@ -62,5 +67,24 @@ def fused_update(table, slots, rows, grads, scalars, apply, *, optimizer,
                                      interpret=_kernel_mode(backend))
 
 
-__all__ = ["BACKENDS", "default_backend", "fused_update", "gather",
-           "resolve_backend"]
+def unique_impl(backend: str):
+  """The dedup core of `backend` for `sharding.dedup` (None: its own)."""
+  return native.unique_keys if backend == "native" else None
+
+
+def fuses_segment_sum(backend: str, optimizer, dtype) -> bool:
+  """True if `segment_sum_update` runs this optimizer and dtype."""
+  return backend == "native" and native.supports(optimizer, dtype)
+
+
+def segment_sum_update(table, slots, rows, inverse, token_grads, scalars,
+                       gate, *, optimizer, dtype):
+  """Sum per row, norm, gate and update in one pass (when
+  `fuses_segment_sum`); see `native.segment_sum_update`."""
+  return native.segment_sum_update(table, slots, rows, inverse, token_grads,
+                                    scalars, gate, optimizer=optimizer,
+                                    dtype=dtype)
+
+
+__all__ = ["BACKENDS", "default_backend", "fused_update", "fuses_segment_sum",
+           "gather", "resolve_backend", "segment_sum_update", "unique_impl"]

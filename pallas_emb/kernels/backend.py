@@ -2,10 +2,14 @@
 
 * "pallas": Mosaic kernels, TPU only;
 * "interpret": the same kernels in Pallas' TPU interpreter (tests on CPU);
-* "xla": plain XLA ops, the test oracle and the fast path on CPU and GPU.
+* "xla": plain XLA ops, the test oracle and the path on GPU;
+* "native": C++ kernels through jax.ffi on CPU (`native.py`): dedup, and the
+  sum, gate and optimizer update in one pass; an optimizer or dtype they do
+  not implement runs the XLA path, call by call.
 
 The default follows the devices the tables live on (a mesh of TPUs ->
-"pallas", else "xla"), not the process's default platform: a mesh over the
+"pallas"; of CPUs -> "native" when its library is built and works here, else
+"xla"; anything else -> "xla"), not the process's default platform: a mesh over the
 TPU devices of `jax.experimental.topologies.get_topology_desc` compiles the
 Mosaic kernels from a CPU host. The environment variable PALLAS_EMB_BACKEND
 overrides the default for a whole process, e.g. to run a test suite in
@@ -20,8 +24,9 @@ from typing import Sequence
 import jax
 
 from pallas_emb.errors import BackendError
+from pallas_emb.kernels import native_lib
 
-BACKENDS = ("pallas", "interpret", "xla")
+BACKENDS = ("pallas", "interpret", "xla", "native")
 ENV_VAR = "PALLAS_EMB_BACKEND"
 
 
@@ -41,7 +46,12 @@ def default_backend(devices: Sequence[jax.Device] | None = None) -> str:
   env = os.environ.get(ENV_VAR)
   if env:
     return check_backend(env, devices)
-  return "pallas" if platform_of(devices) == "tpu" else "xla"
+  platform = platform_of(devices)
+  if platform == "tpu":
+    return "pallas"
+  if platform == "cpu" and native_lib.available():
+    return "native"
+  return "xla"
 
 
 def check_name(backend: str) -> str:
@@ -53,7 +63,8 @@ def check_name(backend: str) -> str:
 
 
 def check_backend(backend: str, devices: Sequence[jax.Device] | None = None) -> str:
-  """Validates a backend name; "pallas" also needs TPU devices."""
+  """Validates a backend name; "pallas" also needs TPU devices, "native" CPU
+  devices and its library."""
   check_name(backend)
   platform = platform_of(devices)
   if backend == "pallas" and platform != "tpu":
@@ -61,6 +72,16 @@ def check_backend(backend: str, devices: Sequence[jax.Device] | None = None) -> 
         f"backend 'pallas' compiles Mosaic kernels and needs a TPU mesh, but "
         f"the tables are on {platform!r} devices; use 'interpret' to run the "
         "kernels in the TPU interpreter, or 'xla'.")
+  if backend == "native":
+    if platform != "cpu":
+      raise BackendError(
+          f"backend 'native' runs C++ kernels on CPU devices, but the tables "
+          f"are on {platform!r} devices; use 'xla' (or the default).")
+    status = native_lib.status()
+    if not status.available:
+      raise BackendError(
+          f"backend 'native' is unavailable: {status.reason}. Install a C++17 "
+          "compiler and cmake and reinstall (pip install .), or use 'xla'.")
   return backend
 
 

@@ -48,6 +48,13 @@ class Adagrad(EmbeddingOptimizer, FusedAsyncEmbUpdate):
   def scalars(self, step) -> AdagradScalars:
     return AdagradScalars(learning_rate_at(self.learning_rate, step))
 
+  def native_rule(self):
+    """("adagrad", (eps,)): the C++ rule of the native CPU backend, or None
+    for a subclass with its own `update_rows`."""
+    if type(self).update_rows is not Adagrad.update_rows:
+      return None
+    return "adagrad", (self.eps,)
+
   def update_rows(self, rows, slots, grads, scalars: AdagradScalars):
     acc = slots["acc"] + grads * grads
     scale = jnp.where(acc > 0, jax.lax.rsqrt(acc + self.eps), 0.0)

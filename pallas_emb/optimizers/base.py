@@ -13,6 +13,11 @@ and one flag:
 * `runs_in_kernel` — False for math that cannot run inside a Pallas kernel
   (arbitrary optax code): such an optimizer always takes the XLA path.
 
+Optionally, `native_rule()` names the C++ rule (csrc/row_rules.h) that does
+the same math on CPU, with its static hyperparameters, as
+`(name, (floats...))`, or returns None; without it the native CPU backend
+runs the optimizer on the XLA path.
+
 `update_rows` sees only rows that are in the batch (a lazy, sparse update):
 rows, grads and width-`dim` slots are (C, dim) float32, scalar-per-row slots
 are (C, 1). It must be elementwise across rows (no mixing between rows), may

@@ -88,6 +88,14 @@ class RowWiseAdagrad(EmbeddingOptimizer, FusedAsyncEmbUpdate):
     return RowWiseAdagradScalars(learning_rate_at(self.learning_rate, step),
                                  jnp.asarray(step, jnp.float32))
 
+  def native_rule(self):
+    """("rowwise_adagrad", (eps, decay, weight_decay)): the C++ rule of the
+    native CPU backend doing this math, or None (lazy decay, or a subclass
+    with its own `update_rows`), which runs the XLA path."""
+    if self.lazy_decay or type(self).update_rows is not RowWiseAdagrad.update_rows:
+      return None
+    return "rowwise_adagrad", (self.eps, self.decay, self.weight_decay)
+
   def update_rows(self, rows, slots, grads, scalars: RowWiseAdagradScalars):
     mean_sq = jnp.mean(grads * grads, axis=-1, keepdims=True)
     acc = slots["acc"]

@@ -35,5 +35,12 @@ class SGD(EmbeddingOptimizer, FusedAsyncEmbUpdate):
   def scalars(self, step) -> SGDScalars:
     return SGDScalars(learning_rate_at(self.learning_rate, step))
 
+  def native_rule(self):
+    """("sgd", ()): the C++ rule of the native CPU backend, or None for a
+    subclass with its own `update_rows`."""
+    if type(self).update_rows is not SGD.update_rows:
+      return None
+    return "sgd", ()
+
   def update_rows(self, rows, slots, grads, scalars: SGDScalars):
     return rows + grads * (-scalars.learning_rate), dict(slots)

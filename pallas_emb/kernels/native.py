@@ -1,0 +1,207 @@
+"""The sparse step's CPU kernels in C++ (backend "native"), through jax.ffi.
+
+Three operations run natively on a CPU device (the library: `native_lib`):
+
+* `unique_keys`: dedup's sort, an LSD radix sort; a drop-in for the
+  "search" core of `sharding.dedup.unique_keys` (its `impl`).
+* `segment_sum_update`: one device's whole update in one pass over the rows:
+  per-row sums of the token gradients, global norm and gate, optimizer math,
+  written in place (the one-device step, where no gradient travels).
+* `fused_update`: the optimizer update of already summed rows, in place (the
+  owner side of a multi-device step); same contract as `xla.fused_update`.
+
+The update runs for float32 tables whose optimizer names a native rule
+(`native_rule()`: SGD, Adagrad, RowWiseAdagrad without lazy decay; see
+csrc/row_rules.h). `supports` says whether a call can run here; for any other
+optimizer or dtype the caller runs the XLA path, call by call.
+
+Exactness against the XLA path, the oracle (tests/test_native.py):
+
+* Bit for bit: the unique keys, inverse and counts; the per-row gradient sums
+  (each row summed from 0.0 in token order, as XLA:CPU's scatter-add does);
+  which rows change; every other row; and a skipped update (gate False or a
+  non-finite norm), which leaves table and slots unchanged.
+* Within a stated tolerance: the optimizer math, at most `ULP_TOLERANCE` units
+  in the last place of the operands' magnitude, max(|row|, |lr * step|) for
+  a row, |acc| for an accumulator. XLA:CPU reduces `jnp.mean` in an order no
+  sequential, lane or tree order reproduces, and on FMA hosts contracts
+  `a * b + c` into fused multiply-adds where its fusion decisions put them
+  together (the tests switch that off with --xla_cpu_max_isa=AVX; training
+  does not). Mirroring that bit for bit would mean redefining `update_rows`
+  for every backend, the TPU kernel's included, around XLA:CPU's current code
+  generation. The C++ instead rounds every operation once, in a fixed order:
+  its results are deterministic, the same for any thread count and on every
+  CPU of its architecture. Measured: at most 2 ulps apart with contraction
+  off (the tests' setting), 3 with it on (weight decay).
+* The norm is the square root of the sum, in row order, of each row's sum of
+  squares: deterministic, equal to XLA's to float32 rounding; the gate agrees
+  except within rounding of float32 overflow.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_emb.errors import InputError
+from pallas_emb.kernels import checks
+from pallas_emb.kernels import native_lib
+from pallas_emb.kernels.protocol import RowUpdate
+
+# The bound on |native - xla| for the optimizer math that the tests hold, in
+# float32 ulps of the operands' magnitude (see the module docstring).
+ULP_TOLERANCE = 4
+
+# Slots each native rule keeps (all float32): the rule reads its one slot,
+# whatever the optimizer names it.
+_RULE_SLOTS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 1}
+
+
+def unique_keys(keys: jax.Array, capacity: int
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The distinct keys with a static capacity (`sharding.dedup.UniqueImpl`).
+
+  Args:
+    keys: (n,) int32; INT32_MAX marks an input without a key.
+    capacity: static slots of the result.
+
+  Returns:
+    (keys (capacity,) ascending and INT32_MAX-padded, inverse (n,) slot of
+    each input or -1, num_unique () including keys over capacity), int32,
+    bit for bit those of `sharding.dedup.unique_keys(..., "search")`.
+  """
+  n = keys.shape[0]
+  return jax.ffi.ffi_call(native_lib.UNIQUE_KEYS, (
+      jax.ShapeDtypeStruct((capacity,), jnp.int32),
+      jax.ShapeDtypeStruct((n,), jnp.int32),
+      jax.ShapeDtypeStruct((), jnp.int32)))(keys)
+
+
+class _Rule(NamedTuple):
+  target: str               # handler name prefix
+  static: tuple[float, ...]  # hyperparameters after the learning rate
+
+
+def _rule(optimizer: RowUpdate, dtype) -> _Rule | None:
+  """The native rule of `optimizer` for a `dtype` table, or None."""
+  if np.dtype(dtype) != np.float32 or not native_lib.available():
+    return None
+  native_rule = getattr(optimizer, "native_rule", None)
+  found = native_rule() if native_rule is not None else None
+  if found is None:
+    return None
+  name, static = found
+  specs = optimizer.slot_specs()
+  if (name not in _RULE_SLOTS or len(specs) != _RULE_SLOTS[name]
+      or any(np.dtype(s.dtype) != np.float32 for s in specs.values())):
+    return None
+  return _Rule(native_lib.RULE_TARGETS[name], tuple(float(x) for x in static))
+
+
+def supports(optimizer: RowUpdate, dtype) -> bool:
+  """True if the native update runs `optimizer` on a `dtype` table here."""
+  return _rule(optimizer, dtype) is not None
+
+
+def _scalars(rule: _Rule, scalars: NamedTuple) -> jax.Array:
+  # The learning rate may be traced (a schedule); the rest are constants.
+  lr = jnp.asarray(scalars[0], jnp.float32).reshape(())
+  return jnp.stack([lr] + [jnp.float32(x) for x in rule.static])
+
+
+def _call(rule: _Rule, kind: str, table, slots: Mapping[str, jax.Array],
+          operands, extra_results=()):
+  names = list(slots)
+  # Slots go in their stored shape: a per-row scalar stored lane-dense,
+  # (rows / 128, 128), has the bytes of (rows, 1) in the same order, and the
+  # kernels only check its element count. A reshape here would make XLA copy
+  # the slot in and out on every step (it does not alias a reshaped operand).
+  results = ((jax.ShapeDtypeStruct(table.shape, table.dtype),)
+             + tuple(jax.ShapeDtypeStruct(slots[k].shape, slots[k].dtype)
+                     for k in names) + tuple(extra_results))
+  aliases = {i: i for i in range(1 + len(names))}
+  out = jax.ffi.ffi_call(rule.target + kind, results,
+                         input_output_aliases=aliases)(
+                             table, *(slots[k] for k in names), *operands)
+  return out[0], dict(zip(names, out[1:1 + len(names)])), out[1 + len(names):]
+
+
+def _require(optimizer: RowUpdate, dtype) -> _Rule:
+  rule = _rule(optimizer, dtype)
+  if rule is None:
+    raise InputError(
+        f"the native update cannot run {type(optimizer).__name__} on a "
+        f"{np.dtype(dtype)} table (needs float32 and a native_rule(), and the "
+        f"native library: {native_lib.status().reason or 'loaded'}); check "
+        "native.supports() first and use the XLA path otherwise.")
+  return rule
+
+
+def fused_update(table, slots, rows, grads, scalars, apply, *, optimizer,
+                 dtype) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """`xla.fused_update` in C++: the listed rows updated in place.
+
+  Args:
+    table: (R, dim) float32 stored rows.
+    slots: name -> (R, width) float32 optimizer state.
+    rows: (C,) int32 distinct local row ids, -1 for padding.
+    grads: (C, dim) float32 summed gradient per row.
+    scalars: `optimizer.scalars(step)`.
+    apply: bool scalar; when False nothing is written.
+    optimizer: one that `supports` accepts.
+    dtype: the table's logical dtype (float32).
+
+  Returns:
+    (table, slots) with only the listed rows changed.
+  """
+  checks.check_update(table, slots, rows, grads, scalars, optimizer=optimizer,
+                      dtype=dtype)
+  rule = _require(optimizer, dtype)
+  table, slots, _ = _call(rule, "RowUpdate", table, slots, (
+      rows, grads, _scalars(rule, scalars), jnp.asarray(apply, jnp.bool_)))
+  return table, slots
+
+
+def segment_sum_update(table, slots, rows, inverse, token_grads, scalars, gate,
+                       *, optimizer, dtype):
+  """One device's sum, norm, gate and update in one pass, in place.
+
+  Args:
+    table: (R, dim) float32 stored rows.
+    slots: name -> (R, width) float32 optimizer state.
+    rows: (C,) int32 local row of each unique slot, -1 for padding; distinct.
+    inverse: (n,) int32 unique slot of each token; tokens outside [0, C)
+      have no row and contribute nothing.
+    token_grads: (n, dim) float32 gradient per token.
+    scalars: `optimizer.scalars(step)`.
+    gate: bool scalar; False writes nothing.
+    optimizer: one that `supports` accepts.
+    dtype: the table's logical dtype (float32).
+
+  Returns:
+    (table, slots, norm): norm is the () float32 norm of the per-row sums;
+    rows are written only if it is finite and `gate` is True.
+  """
+  dim = checks.check_stored_table(table, dtype)
+  checks.check_rows(rows)
+  num_tokens = checks.check_rows(inverse, "inverse")
+  if (tuple(token_grads.shape) != (num_tokens, dim)
+      or np.dtype(token_grads.dtype) != np.float32):
+    raise InputError(
+        f"token_grads must be float32[{num_tokens}, {dim}] (one gradient per "
+        f"token of inverse, dim {dim}), got "
+        f"{token_grads.dtype}{list(token_grads.shape)}.")
+  checks.check_slots(slots, optimizer.slot_specs(), table.shape[0], dim,
+                     owner=type(optimizer).__name__,
+                     fix="pass the TableState's slots.")
+  checks.check_scalars(scalars)
+  rule = _require(optimizer, dtype)
+  table, slots, (norm,) = _call(
+      rule, "SegsumUpdate", table, slots,
+      (rows, inverse, token_grads, _scalars(rule, scalars),
+       jnp.asarray(gate, jnp.bool_)),
+      extra_results=(jax.ShapeDtypeStruct((), jnp.float32),))
+  return table, slots, norm
