@@ -100,7 +100,9 @@ def _route(t: ShardedTable, blocks: Sequence):
   ids, dropped = zip(*(pooling.token_ids(x) for x in blocks))
   if t.members is not None:
     ids, invalid = members_lib.remap_ids(t.members, ids)
-  impl = kernels.unique_impl(t.backend)
+  # A stack's per-member counts read the sorted keys, which the native
+  # dedup does not return.
+  impl = kernels.unique_impl(t.backend) if t.members is None else None
   unique = dedup(jnp.concatenate(ids), t.layout, caps.unique, t.dedup_method,
                  impl=impl)
   plan = plan_route(unique, rows_per_shard=t.layout.rows_per_shard,
