@@ -30,7 +30,10 @@ SETTINGS = settings(max_examples=6, deadline=None, derandomize=True, database=No
 def _emb(num_devices: int) -> pe.ShardedEmbedding:
   tables = [pe.TableSpec(name, rows, DIM, optimizer=pe.SGD(LR)) for name, rows in ROWS.items()]
   feats = [pe.FeatureSpec(f, t, c) for f, (t, c, _) in FEATURES.items()]
-  return pe.ShardedEmbedding(tables, feats, make_mesh(num_devices), "x", "xla")
+  # Unstacked: the reference steps each table alone (a stack has one step
+  # counter per group; tests/test_stacking.py compares stacked with this).
+  return pe.ShardedEmbedding(tables, feats, make_mesh(num_devices), "x", "xla",
+                             stacking="off")
 
 
 EMBS = {n: _emb(n) for n in (1, 8)}
