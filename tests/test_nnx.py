@@ -16,7 +16,7 @@ from pallas_emb import nnx as pnnx  # noqa: E402
 from pallas_emb.data.feed import GlobalBatches  # noqa: E402
 from pallas_emb.model import build_ranking  # noqa: E402
 
-STEPS = 4
+STEPS = 3
 
 
 def _job(num_devices, optimizer=None):
@@ -68,9 +68,8 @@ def _assert_same_state(embed, dense, state):
 @pytest.mark.parametrize("num_devices,config", [
     (8, pe.TrainConfig()),
     (8, pe.TrainConfig(use_async_emb=False)),
-    (8, pe.TrainConfig(exact=True)),
-    (1, pe.TrainConfig()),
-], ids=["async-8", "sync-8", "exact-8", "async-1"])
+    (1, pe.TrainConfig(exact=True)),
+], ids=["async-8", "sync-8", "exact-1"])
 def test_nnx_trains_bit_for_bit_like_the_functional_trainer(num_devices, config):
   emb, model, feeder = _job(num_devices)
   key = jax.random.key(0)

@@ -50,6 +50,16 @@ class EmbNextLookup(nnx.Variable):
   """table name -> the started `EmbLookup` of the next batch (async)."""
 
 
+def _on_mesh(tree, emb: ShardedEmbedding):
+  """`tree` with every array off the mesh (the empty update's scalar flag)
+  replicated on it: a checkpoint restores each array onto the devices of
+  its template, and the step needs them all on the mesh."""
+  devices = set(emb.mesh.devices.flat)
+  return jax.tree.map(
+      lambda x: x if x.sharding.device_set == devices
+      else jax.device_put(x, emb.sharding(rows=False)), tree)
+
+
 class Embed(nnx.Module):
   """Row-sharded embedding tables as NNX state, looked up in `__call__`.
 
@@ -93,7 +103,7 @@ class Embed(nnx.Module):
             "are made for its shapes.")
       first_ids = int32_ids(first_ids)
       self.contexts = tuple(async_emb.context_handles(emb, first_ids).items())
-      self.pending = EmbPending({n: async_emb.empty_gradient_update(c)
+      self.pending = EmbPending({n: _on_mesh(async_emb.empty_gradient_update(c), emb)
                                  for n, c in self.contexts})
       self.next_lookup = EmbNextLookup({
           n: async_emb.lookup_start(c, tables[n].table, c.table_inputs(first_ids))
