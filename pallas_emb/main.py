@@ -252,16 +252,19 @@ def _evaluate_at(job: _Job, loop: _Loop, state, done: int, batch_shapes, history
   return state
 
 
-def _train(job: _Job, loop: _Loop, start: int):
+def _train(job: _Job, loop: _Loop, start: int, data_state: dict | None):
   """Steps start..job.steps (or an early stop) -> (state, last loss,
   initial loss, eval history, last step)."""
   state, feeder, trainer, log = job.state, job.feeder, job.trainer, loop.log
   batch_shapes = {f.name: (FLAGS.batch_size, f.bag_size) for f in job.dataset.features}
   loss = initial_loss = float("nan")
   history = []
+  # The batches come from this process's grain iterator; its state goes
+  # into each checkpoint, so a resumed run reads what this one would.
   batch, done = feeder.train(start), start
+  batches = feeder.iterator(data_state, start=start + 1)
   for t in range(start, job.steps):
-    next_batch = feeder.train(t + 1)
+    next_batch = next(batches)
     tic = time.perf_counter()
     state, m = trainer.step(state, batch, next_batch)
     loss = float(m["loss"])  # blocks: the step is done
@@ -279,6 +282,7 @@ def _train(job: _Job, loop: _Loop, start: int):
     periodic = FLAGS.checkpoint_every and done % FLAGS.checkpoint_every == 0
     if loop.ckpt is not None and (periodic or (last and done > start)):
       loop.ckpt.save(state, batch_shapes, {"data_position": done,
+                                           "data_iterator": batches.get_state(),
                                            "counters": dict(log.counters),
                                            "best": loop.best.state()})
     if loop.best.should_stop:
@@ -301,7 +305,7 @@ def run(argv=()) -> dict:
     ckpt = Checkpointer(FLAGS.checkpoint_dir, job.trainer)
     best_ckpt = Checkpointer(os.path.join(FLAGS.checkpoint_dir, "best"), job.trainer,
                              max_to_keep=1)
-  start, counters, best = 0, {}, BestEval(FLAGS.early_stop_patience)
+  start, counters, best, data_state = 0, {}, BestEval(FLAGS.early_stop_patience), None
   if FLAGS.resume and ckpt.latest_step() is not None:
     restored = ckpt.restore_verified(job.state, job.feeder.train)
     for step, why in restored.skipped:
@@ -310,6 +314,7 @@ def run(argv=()) -> dict:
     start = restored.step
     counters = restored.meta["extra"].get("counters", {})
     best.restore(restored.meta["extra"].get("best"))
+    data_state = restored.meta["extra"].get("data_iterator")
     _log(f"resumed from step {start} of {ckpt.directory}")
 
   _log(f"pallas_emb: {FLAGS.data}, {mesh.size} devices ({jax.process_count()} processes), "
@@ -320,7 +325,7 @@ def run(argv=()) -> dict:
   loop = _Loop(RunLog(job.steps, FLAGS.batch_size, counters, FLAGS.tensorboard_dir),
                best, ckpt, best_ckpt)
   try:
-    state, loss, initial_loss, history, done = _train(job, loop, start)
+    state, loss, initial_loss, history, done = _train(job, loop, start, data_state)
   except Exception:
     if jax.process_count() > 1:
       # A collective with a lost peer fails at once, a moment before the
@@ -344,6 +349,9 @@ def run(argv=()) -> dict:
   for b in baselines:
     _log(f"baseline {b['model']}: auc {b['auc']:.4f}  logloss {b['logloss']:.4f}")
   counters = loop.log.counters
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  reads = multihost_utils.process_allgather(
+      np.array([job.feeder.source.records_read, job.feeder.source.rows_read]))
   report = {
       "steps": done, "planned_steps": job.steps, "stopped_early": done < job.steps,
       "epochs": done * FLAGS.batch_size / job.dataset.train_size
@@ -358,6 +366,8 @@ def run(argv=()) -> dict:
       "devices": mesh.size, "backend": emb.backend, "async_emb": config.use_async_emb,
       "exact_emb": config.exact, "optimizer": FLAGS.optimizer, "data": FLAGS.data,
       "processes": jax.process_count(), "eval_history": history,
+      # Per process: [training batches read, training examples read].
+      "input_reads": np.asarray(reads).reshape(-1, 2).tolist(),
   }
   _write_outputs(emb, state, report)
   return report

@@ -245,14 +245,18 @@ class MovieLens:
 
   def train_batch(self, index: int, batch_size: int) -> dict:
     """Batch `index` of an endless, per-epoch shuffled pass over train."""
-    positions = index * batch_size + np.arange(batch_size)
+    return self.train_rows(index, batch_size, 0, batch_size)
+
+  def train_rows(self, index: int, batch_size: int, lo: int, hi: int) -> dict:
+    """Rows [lo, hi) of training batch `index`, reading only those."""
+    positions = index * batch_size + np.arange(lo, hi)
     epochs, offsets = np.divmod(positions, self.num_train)
-    idx = np.empty(batch_size, np.int64)
+    idx = np.empty(hi - lo, np.int64)
     for epoch in np.unique(epochs):
       perm = np.random.default_rng([self.seed, int(epoch)]).permutation(self.num_train)
       sel = epochs == epoch
       idx[sel] = perm[offsets[sel]]
-    return self._batch(idx, np.ones(batch_size))
+    return self._batch(idx, np.ones(hi - lo))
 
   def eval_batches(self, batch_size: int) -> Iterator[dict]:
     """The held-out (latest) ratings; the last batch is zero-weight padded."""
