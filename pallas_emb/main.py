@@ -2,8 +2,15 @@
 
     python -m pallas_emb                       # synthetic click log, 8 CPU devices
     python -m pallas_emb --data=movielens:ml-100k/u.data --steps=2000
+    python -m pallas_emb --data=movielens:ml-1m/ratings.dat --epochs=3 --eval_every=200 \
+        --early_stop_patience=3 --checkpoint_dir=/tmp/run --tensorboard_dir=/tmp/tb
     python -m pallas_emb --checkpoint_dir=/tmp/run --checkpoint_every=100 --resume
     python -m pallas_emb --workload=dlrm [--stacking=off]   # 26 Criteo-shaped tables
+
+With --eval_every the report names the best evaluation (lowest eval
+log-loss) and its step; with --checkpoint_dir that step's checkpoint is kept
+in CHECKPOINT_DIR/best. On MovieLens the job also scores two baselines on the
+same time split (item popularity, logistic regression on user and item ids).
 
 Every categorical feature is looked up from a row-sharded table; the tables
 are trained with the fused asynchronous update (one step stale, like the
@@ -25,16 +32,25 @@ import optax
 
 import pallas_emb as pe
 from pallas_emb import data as data_lib
-from pallas_emb import host_memory
+from pallas_emb import evaluation, host_memory
 from pallas_emb.data.dlrm import DlrmClickLog
 from pallas_emb.data.feed import GlobalBatches
 from pallas_emb.model import build_ranking
-from pallas_emb.train import metrics
+from pallas_emb.run_log import RunLog
+from pallas_emb.train.best_eval import BestEval
 from pallas_emb.train.checkpoint import Checkpointer
 from pallas_emb.train.checkpoint_dir import check_writable
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("steps", 500, "Training steps.")
+flags.DEFINE_float("epochs", None, "Train for this many passes over the training set instead of "
+                   "--steps (datasets with a finite training set: MovieLens).")
+flags.DEFINE_integer("early_stop_patience", 0, "Stop after this many evaluations (--eval_every) "
+                     "in a row without a lower eval log-loss (0: never).")
+flags.DEFINE_string("tensorboard_dir", None, "Write TensorBoard scalars (tensorboardX) here.")
+flags.DEFINE_integer("history_len", 16, "MovieLens: items in the user-history bag (0: no history).")
+flags.DEFINE_bool("baselines", True, "MovieLens: also score item popularity and a logistic "
+                  "regression on user and item ids on the same split.")
 flags.DEFINE_integer("batch_size", 1024, "Global batch size (a multiple of the device count).")
 flags.DEFINE_string("data", "synthetic", "'synthetic' or 'movielens:PATH' (u.data, ratings.dat, ratings.csv).")
 flags.DEFINE_integer("devices", None, "Devices per process in the mesh (default: all of them; on CPU "
@@ -85,6 +101,8 @@ for _name, _low, _fix in (
     ("log_every", 1, "it is the progress period in steps"),
     ("checkpoint_every", 0, "0 checkpoints only at the end"),
     ("eval_every", 0, "0 evaluates only at the end"),
+    ("early_stop_patience", 0, "0 never stops early"),
+    ("history_len", 0, "0 drops the history feature"),
     ("eval_batches", 0, "0 evaluates the whole held-out set"),
     ("seed", 0, "it seeds the data and the initial parameters"),
     ("heartbeat_timeout", 1, "it is in seconds"),
@@ -100,6 +118,12 @@ flags.register_multi_flags_validator(
     ["process_id", "num_processes"],
     lambda f: None in (f["process_id"], f["num_processes"]) or f["process_id"] < f["num_processes"],
     message="--process_id must be below --num_processes; processes are numbered 0 .. N-1.")
+_require("epochs", lambda v: v is None or (np.isfinite(v) and v > 0), "a finite number > 0",
+         "omit it to train for --steps")
+flags.register_multi_flags_validator(
+    ["early_stop_patience", "eval_every"],
+    lambda f: not f["early_stop_patience"] or f["eval_every"],
+    message="--early_stop_patience needs --eval_every: it counts evaluations without progress.")
 flags.register_multi_flags_validator(
     ["resume", "checkpoint_dir"], lambda f: not f["resume"] or f["checkpoint_dir"],
     message="--resume needs --checkpoint_dir: the directory to resume from.")
@@ -143,23 +167,6 @@ def _embedding_optimizer(name: str, lr: float):
           "optax_adam": lambda: pe.OptaxRows(optax.adam(lr))}[name]()
 
 
-def evaluate(trainer, state, feeder: GlobalBatches, max_batches: int = 0) -> dict:
-  """AUC and log-loss of the held-out set (every process gets the result)."""
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  scores, labels, weights = [], [], []
-  for k, (batch, host) in enumerate(feeder.eval()):
-    if max_batches and k == max_batches:
-      break
-    _, aux = trainer.evaluate(state, batch)
-    scores.append(np.asarray(multihost_utils.process_allgather(aux["logits"], tiled=True)))
-    labels.append(host["label"])
-    weights.append(host["weight"])
-  s, y, w = (np.concatenate(x) for x in (scores, labels, weights))
-  keep = w > 0
-  return {"auc": metrics.auc(s[keep], y[keep]), "logloss": metrics.log_loss(s[keep], y[keep]),
-          "examples": int(keep.sum())}
-
-
 def _setup() -> jax.sharding.Mesh:
   """Process-wide settings, multi-host initialisation and the mesh."""
   if FLAGS.keep_freed_memory:
@@ -195,13 +202,16 @@ class _Job(NamedTuple):
   feeder: GlobalBatches
   trainer: pe.Trainer
   state: pe.TrainState
+  steps: int
 
 
 def _build(mesh) -> _Job:
   if FLAGS.workload == "dlrm":
     dataset = DlrmClickLog(max_rows=FLAGS.dlrm_max_rows or None, seed=FLAGS.seed)
   else:
-    dataset = data_lib.from_flag(FLAGS.data, seed=FLAGS.seed)
+    dataset = data_lib.from_flag(FLAGS.data, seed=FLAGS.seed,
+                                 history_len=FLAGS.history_len)
+  steps = _total_steps(dataset)  # refuses --epochs before anything compiles
   lr = (_DEFAULT_LR[FLAGS.optimizer] if FLAGS.emb_learning_rate is None
         else FLAGS.emb_learning_rate)
   emb, model = build_ranking(dataset, mesh, emb_dim=FLAGS.emb_dim,
@@ -215,63 +225,85 @@ def _build(mesh) -> _Job:
   key = jax.random.key(FLAGS.seed)
   state = trainer.init(model.init(jax.random.fold_in(key, 1)),
                        emb.init(jax.random.fold_in(key, 2)), feeder.train(0))
-  return _Job(dataset, emb, config, feeder, trainer, state)
+  return _Job(dataset, emb, config, feeder, trainer, state, steps)
 
 
-class _Progress:
-  """Counters of the embedding metrics and the timed throughput."""
-
-  def __init__(self, counters: dict):
-    self.counters = {"skipped": 0, "invalid": 0, "overflow": 0, **counters}
-    self.examples, self.seconds = 0, 0.0
-
-  def add(self, m: dict, elapsed: float, timed: bool) -> None:
-    if timed:  # the first step compiles
-      self.examples += FLAGS.batch_size
-      self.seconds += elapsed
-    for tm in m["emb"].values():
-      self.counters["skipped"] += int(tm["skipped"])
-      self.counters["invalid"] += int(tm["invalid_ids"])
-      self.counters["overflow"] += int(tm["overflow_ids"])
-
-  @property
-  def rate(self) -> float | None:
-    return self.examples / self.seconds if self.seconds else None
+def _total_steps(dataset) -> int:
+  """--steps, or --epochs passes over the training set."""
+  if FLAGS.epochs is None:
+    return FLAGS.steps
+  if FLAGS["steps"].present:
+    raise app.UsageError("--epochs and --steps both set; give one: --epochs counts passes "
+                         "over the training set, --steps counts batches.")
+  size = getattr(dataset, "train_size", None)
+  if size is None:
+    raise app.UsageError(f"--epochs needs a finite training set; {FLAGS.data!r} is an endless "
+                         "stream: give --steps.")
+  return max(1, int(np.ceil(FLAGS.epochs * size / FLAGS.batch_size)))
 
 
-def _train(job: _Job, ckpt, start: int, progress: _Progress):
-  """Steps start..--steps -> (state, last loss, initial loss, eval history)."""
-  state, feeder, trainer = job.state, job.feeder, job.trainer
+class _Loop(NamedTuple):
+  """What the loop keeps beside the state: its log, the best evaluation,
+  the checkpointers (latest, best)."""
+
+  log: RunLog
+  best: BestEval
+  ckpt: Any
+  best_ckpt: Any
+
+
+def _evaluate_at(job: _Job, loop: _Loop, state, done: int, batch_shapes, history):
+  """Flushes, evaluates, records; keeps the best step's checkpoint."""
+  state, _ = job.trainer.flush(state)
+  ev = evaluation.evaluate(job.trainer, state, job.feeder, FLAGS.eval_batches)
+  history.append({"step": done, **ev})
+  loop.log.eval(done, ev)
+  improved = loop.best.add(done, ev)
+  _log(f"eval at step {done}: auc {ev['auc']:.4f}  logloss {ev['logloss']:.4f}"
+       + ("  (best)" if improved else f"  (best: step {loop.best.step})"))
+  if improved and loop.best_ckpt is not None:
+    loop.best_ckpt.save(state, batch_shapes, {"data_position": done, "eval": ev})
+  return state
+
+
+def _train(job: _Job, loop: _Loop, start: int, data_state: dict | None):
+  """Steps start..job.steps (or an early stop) -> (state, last loss,
+  initial loss, eval history, last step)."""
+  state, feeder, trainer, log = job.state, job.feeder, job.trainer, loop.log
   batch_shapes = {f.name: (FLAGS.batch_size, f.bag_size) for f in job.dataset.features}
   loss = initial_loss = float("nan")
   history = []
-  batch = feeder.train(start)
-  for t in range(start, FLAGS.steps):
-    next_batch = feeder.train(t + 1)
+  # The batches come from this process's grain iterator; its state goes
+  # into each checkpoint, so a resumed run reads what this one would.
+  batch, done = feeder.train(start), start
+  batches = feeder.iterator(data_state, start=start + 1)
+  for t in range(start, job.steps):
+    next_batch = next(batches)
     tic = time.perf_counter()
     state, m = trainer.step(state, batch, next_batch)
     loss = float(m["loss"])  # blocks: the step is done
     if t == start:
       initial_loss = loss
-    progress.add(m, time.perf_counter() - tic, timed=t > start)
-    batch = next_batch
     done = t + 1
-    if done % FLAGS.log_every == 0 or done == FLAGS.steps:
+    log.add(done, m, time.perf_counter() - tic, timed=t > start)
+    batch = next_batch
+    if done % FLAGS.log_every == 0 or done == job.steps:
       norms = " ".join(f"{k}={float(v['grad_norm']):.3g}" for k, v in m["emb"].items())
-      rate = progress.rate or float("nan")
-      _log(f"step {done:6d}  loss {loss:.4f}  {rate:9.0f} ex/s  emb grad norm {norms}  "
-           f"skipped {progress.counters['skipped']}")
-    if FLAGS.eval_every and done % FLAGS.eval_every == 0 and done < FLAGS.steps:
-      state, _ = trainer.flush(state)
-      ev = evaluate(trainer, state, feeder, FLAGS.eval_batches)
-      history.append({"step": done, **ev})
-      _log(f"eval at step {done}: auc {ev['auc']:.4f}  logloss {ev['logloss']:.4f}")
-    last = done == FLAGS.steps
+      _log(log.line(done, loss, norms))
+    if FLAGS.eval_every and done % FLAGS.eval_every == 0 and done < job.steps:
+      state = _evaluate_at(job, loop, state, done, batch_shapes, history)
+    last = done == job.steps or loop.best.should_stop
     periodic = FLAGS.checkpoint_every and done % FLAGS.checkpoint_every == 0
-    if ckpt is not None and (periodic or (last and done > start)):
-      ckpt.save(state, batch_shapes, {"data_position": done,
-                                      "counters": dict(progress.counters)})
-  return state, loss, initial_loss, history
+    if loop.ckpt is not None and (periodic or (last and done > start)):
+      loop.ckpt.save(state, batch_shapes, {"data_position": done,
+                                           "data_iterator": batches.get_state(),
+                                           "counters": dict(log.counters),
+                                           "best": loop.best.state()})
+    if loop.best.should_stop:
+      _log(f"early stop at step {done}: {loop.best.since_best} evaluations without a lower "
+           f"eval log-loss than step {loop.best.step}'s")
+      break
+  return state, loss, initial_loss, history, done
 
 
 def run(argv=()) -> dict:
@@ -282,8 +314,12 @@ def run(argv=()) -> dict:
   mesh = _setup()
   job = _build(mesh)
   emb, config = job.emb, job.config
-  ckpt = Checkpointer(FLAGS.checkpoint_dir, job.trainer) if FLAGS.checkpoint_dir else None
-  start, counters = 0, {}
+  ckpt = best_ckpt = None
+  if FLAGS.checkpoint_dir:
+    ckpt = Checkpointer(FLAGS.checkpoint_dir, job.trainer)
+    best_ckpt = Checkpointer(os.path.join(FLAGS.checkpoint_dir, "best"), job.trainer,
+                             max_to_keep=1)
+  start, counters, best, data_state = 0, {}, BestEval(FLAGS.early_stop_patience), None
   if FLAGS.resume and ckpt.latest_step() is not None:
     restored = ckpt.restore_verified(job.state, job.feeder.train)
     for step, why in restored.skipped:
@@ -291,16 +327,20 @@ def run(argv=()) -> dict:
     job = job._replace(state=restored.state)
     start = restored.step
     counters = restored.meta["extra"].get("counters", {})
+    best.restore(restored.meta["extra"].get("best"))
+    data_state = restored.meta["extra"].get("data_iterator")
     _log(f"resumed from step {start} of {ckpt.directory}")
 
   _log(f"pallas_emb: {'dlrm' if FLAGS.workload == 'dlrm' else FLAGS.data}, {mesh.size} devices ({jax.process_count()} processes), "
        f"backend {emb.backend}, {'exact ' if config.exact else ''}"
        f"{'async' if config.use_async_emb else 'sync'} embedding update, "
-       f"{FLAGS.optimizer}, tables " + ", ".join(f"{t.name}:{t.num_rows}x{t.dim}" for t in emb.tables)
+       f"{FLAGS.optimizer}, {job.steps} steps, tables "
+       + ", ".join(f"{t.name}:{t.num_rows}x{t.dim}" for t in emb.tables)
        + f" stored as {len(emb.table_names)} physical tables (--stacking={FLAGS.stacking})")
-  progress = _Progress(counters)
+  loop = _Loop(RunLog(job.steps, FLAGS.batch_size, counters, FLAGS.tensorboard_dir),
+               best, ckpt, best_ckpt)
   try:
-    state, loss, initial_loss, history = _train(job, ckpt, start, progress)
+    state, loss, initial_loss, history, done = _train(job, loop, start, data_state)
   except Exception:
     if jax.process_count() > 1:
       # A collective with a lost peer fails at once, a moment before the
@@ -311,19 +351,38 @@ def run(argv=()) -> dict:
       time.sleep(FLAGS.heartbeat_timeout + 5)
     raise
   state, _ = job.trainer.flush(state)  # the last gradient reaches the tables
-  ev = evaluate(job.trainer, state, job.feeder, FLAGS.eval_batches)
-  _log(f"final: step {FLAGS.steps}  train loss {loss:.4f}  eval auc {ev['auc']:.4f}  "
-       f"logloss {ev['logloss']:.4f}  ({ev['examples']} eval examples)")
+  ev = evaluation.evaluate(job.trainer, state, job.feeder, FLAGS.eval_batches)
+  loop.log.eval(done, ev)
+  if best.add(done, ev) and best_ckpt is not None and done > start:
+    best_ckpt.save(state, {f.name: (FLAGS.batch_size, f.bag_size)
+                           for f in job.dataset.features}, {"data_position": done, "eval": ev})
+  loop.log.close()
+  _log(f"final: step {done}  train loss {loss:.4f}  eval auc {ev['auc']:.4f}  "
+       f"logloss {ev['logloss']:.4f}  ({ev['examples']} eval examples); best: step {best.step}  "
+       f"auc {best.metrics['auc']:.4f}  logloss {best.metrics['logloss']:.4f}")
+  baselines = evaluation.baselines_of(job.dataset, FLAGS.baselines)
+  for b in baselines:
+    _log(f"baseline {b['model']}: auc {b['auc']:.4f}  logloss {b['logloss']:.4f}")
+  counters = loop.log.counters
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  reads = multihost_utils.process_allgather(
+      np.array([job.feeder.source.records_read, job.feeder.source.rows_read]))
   report = {
-      "steps": FLAGS.steps, "final_train_loss": loss,
+      "steps": done, "planned_steps": job.steps, "stopped_early": done < job.steps,
+      "epochs": done * FLAGS.batch_size / job.dataset.train_size
+      if hasattr(job.dataset, "train_size") else None,
+      "final_train_loss": loss,
       "initial_train_loss": initial_loss, "eval_auc": ev["auc"],
-      "eval_logloss": ev["logloss"], "examples_per_sec": progress.rate,
-      "emb_updates_skipped": progress.counters["skipped"],
-      "invalid_ids": progress.counters["invalid"],
-      "overflow_ids": progress.counters["overflow"],
+      "eval_logloss": ev["logloss"], "best_step": best.step, "best_eval": best.metrics,
+      "baselines": baselines, "examples_per_sec": loop.log.rate,
+      "emb_updates_skipped": counters["skipped"],
+      "invalid_ids": counters["invalid"],
+      "overflow_ids": counters["overflow"],
       "devices": mesh.size, "backend": emb.backend, "async_emb": config.use_async_emb,
       "exact_emb": config.exact, "optimizer": FLAGS.optimizer, "data": FLAGS.data,
       "processes": jax.process_count(), "eval_history": history,
+      # Per process: [training batches read, training examples read].
+      "input_reads": np.asarray(reads).reshape(-1, 2).tolist(),
   }
   _write_outputs(emb, state, report)
   return report

@@ -67,7 +67,7 @@ def test_movielens_formats_parse_alike(tmp_path, name, fmt):
   assert len(ev) == 1 and ev[0]["weight"].tolist() == [1, 0, 0, 0]
   tb = ml.train_batch(0, 4)
   assert sorted(tb["label"].tolist()) == [0, 0, 1, 1]  # one epoch = the train set
-  assert set(tb["ids"]) == {"user", "item", "hour", "weekday"}
+  assert set(tb["ids"]) == {"user", "item", "hour", "weekday", "history"}
 
 
 def test_movielens_errors_name_the_path_and_line(tmp_path):
@@ -146,3 +146,35 @@ def test_movielens_non_finite_values_name_the_file_and_line(tmp_path, line, matc
 def test_movielens_integral_float_timestamps_are_accepted(tmp_path):
   path = _write(tmp_path, "ratings.csv", "userId,movieId,rating,timestamp\n1,2,4.5,978300760.0\n")
   assert data.load_ratings(path).timestamp.tolist() == [978300760]
+
+
+@pytest.mark.parametrize("source", ["synthetic", "movielens"])
+def test_a_process_reads_only_its_rows(tmp_path, source, monkeypatch):
+  from pallas_emb.data.feed import ProcessRows  # pylint: disable=g-import-not-at-top
+  if source == "synthetic":
+    ds = data.SyntheticClickLog(num_users=100, num_items=50, eval_examples=16)
+    counted = "_examples"
+  else:
+    path = tmp_path / "u.data"
+    path.write_text("".join(f"{u}\t{i}\t{1 + (u * i) % 5}\t{t}\n" for t, (u, i) in
+                            enumerate((u, i) for u in range(1, 30) for i in range(1, 12))))
+    ds = data.MovieLens.from_file(str(path))
+    counted = "_batch"
+  made = []
+  original = getattr(type(ds), counted)
+
+  def counting(self, *args):
+    out = original(self, *args)
+    made.append(len(out["label"]))
+    return out
+
+  monkeypatch.setattr(type(ds), counted, counting)
+  whole = ds.train_batch(5, 128)
+  made.clear()
+  # Process 1 of 2: rows 64..127 of each batch of 128.
+  src = ProcessRows(ds, 128, 64, 128)
+  rows = src[5]
+  assert sum(made) == 64 and src.records_read == 1 and src.rows_read == 64
+  for k in whole["ids"]:
+    np.testing.assert_array_equal(rows["ids"][k], whole["ids"][k][64:])
+  np.testing.assert_array_equal(rows["label"], whole["label"][64:])

@@ -200,6 +200,10 @@ def test_two_processes_match_one_process(tmp_path):
   mp, sp = (json.loads((tmp_path / f).read_text()) for f in ("mp.json", "sp.json"))
   assert mp["processes"] == 2 and mp["devices"] == sp["devices"] == 8
   assert mp["eval_auc"] == pytest.approx(sp["eval_auc"], abs=1e-4)
+  # Each process read only its half of every batch (SMALL: batches of 128).
+  ((batches, rows),) = sp["input_reads"]
+  assert rows == batches * 128
+  assert mp["input_reads"] == [[batches, batches * 64]] * 2
   a, b = np.load(tmp_path / "mp.npz"), np.load(tmp_path / "sp.npz")
   for name in a:
     # Dense all-reduces run through gloo in another order: rounding only.

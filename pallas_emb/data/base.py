@@ -42,5 +42,9 @@ class Dataset(Protocol):
   def train_batch(self, index: int, batch_size: int) -> dict:
     """Training batch `index`, a pure function of the dataset and index."""
 
+  def train_rows(self, index: int, batch_size: int, lo: int, hi: int) -> dict:
+    """Rows [lo, hi) of `train_batch(index, batch_size)`, computing or
+    reading only those (each process feeds its own rows)."""
+
   def eval_batches(self, batch_size: int) -> Iterator[dict]:
     """The held-out set; the last batch zero-weighted past its end."""

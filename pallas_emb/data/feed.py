@@ -1,21 +1,54 @@
-"""Host batches -> global device arrays, each process feeding its slice."""
+"""Host batches -> global device arrays, each process reading only its rows.
+
+Training batches come through a `grain` data source whose record t is this
+process's rows of batch t (`Dataset.train_rows`): a process never builds the
+global batch, only its slice. The grain iterator's state (the next batch
+index) is saved with each checkpoint, so a resumed run reads the batches an
+uninterrupted one would.
+"""
 
 from __future__ import annotations
 
+from typing import Any, Iterator
+
+import grain
 import jax
 import numpy as np
 
 from pallas_emb.data.base import DataError
 from pallas_emb.ids import int32_ids
 
+_ENDLESS = 1 << 40  # batch indices: training streams do not end
+
+
+class ProcessRows(grain.sources.RandomAccessDataSource):
+  """Record t: rows [lo, hi) of training batch t (a dict of NumPy arrays).
+
+  Attributes:
+    records_read: batches (records) read.
+    rows_read: examples read: hi - lo per record, never the whole batch.
+  """
+
+  def __init__(self, dataset, batch_size: int, lo: int, hi: int):
+    self.dataset, self.batch_size, self.lo, self.hi = dataset, batch_size, lo, hi
+    self.records_read = self.rows_read = 0
+
+  def __len__(self) -> int:
+    return _ENDLESS
+
+  def __getitem__(self, index: int) -> dict:
+    rows = self.dataset.train_rows(int(index), self.batch_size, self.lo, self.hi)
+    self.records_read += 1
+    self.rows_read += self.hi - self.lo
+    return rows
+
 
 class GlobalBatches:
-  """Turns a dataset's host batches into batch-sharded global arrays.
+  """Turns a dataset's rows into batch-sharded global arrays.
 
-  Every process builds the same global batch (datasets are deterministic by
-  index) and contributes the rows its devices hold, via
-  `jax.make_array_from_process_local_data`; with one process that is the
-  whole batch.
+  Process p of P reads rows [p * B / P, (p + 1) * B / P) of each training
+  batch and contributes them via `jax.make_array_from_process_local_data`;
+  with one process that is the whole batch.
 
   Args:
     dataset: a `Dataset`.
@@ -29,35 +62,58 @@ class GlobalBatches:
     if batch_size % n:
       raise DataError(f"batch size {batch_size} must be a multiple of the {n} "
                       "processes: each feeds an equal slice.")
+    self.lo = jax.process_index() * batch_size // n
+    self.hi = self.lo + batch_size // n
+    self.source = ProcessRows(dataset, batch_size, self.lo, self.hi)
 
-  def put(self, batch: dict) -> dict:
-    """A host batch (global rows) -> global arrays (this process's slice).
-
-    Ids (the "ids" entry) of any integer width arrive as int32: converted
-    here on the host, before JAX would wrap int64 ids (see `pallas_emb.ids`).
-    """
+  def _global(self, batch: dict, local: bool) -> dict:
     batch = {k: v for k, v in batch.items() if k != "true_logit"}
     if "ids" in batch:
+      # Converted here on the host, before JAX would wrap int64 ids.
       batch["ids"] = int32_ids({k: jax.tree.map(np.asarray, v)
                                 for k, v in batch["ids"].items()})
-
     n, p = jax.process_count(), jax.process_index()
 
     def one(x):
-      # This process's equal share of the leading axis: its examples, or,
-      # for ragged ids (S * C slots), its data shards' slots.
+      # Local rows are this process's share already. Of global rows it takes
+      # its equal share of the leading axis: its examples, or, for ragged ids
+      # (S * C slots), its data shards' slots.
       x = np.asarray(x)
+      if local:
+        return jax.make_array_from_process_local_data(
+            self.sharding, x, (x.shape[0] * n, *x.shape[1:]))
       lo = x.shape[0] * p // n
       return jax.make_array_from_process_local_data(
           self.sharding, x[lo:lo + x.shape[0] // n], x.shape)
 
     return jax.tree.map(one, batch)
 
-  def train(self, index: int) -> dict:
-    """Training batch `index` as global arrays."""
-    return self.put(self.dataset.train_batch(index, self.batch_size))
+  def put(self, batch: dict) -> dict:
+    """A host batch (global rows) -> global arrays (this process's slice).
 
-  def eval(self):
+    Ids (the "ids" entry) of any integer width arrive as int32 (see
+    `pallas_emb.ids`).
+    """
+    return self._global(batch, local=False)
+
+  def train(self, index: int) -> dict:
+    """Training batch `index` as global arrays (random access; this
+    process reads only its rows)."""
+    return self._global(self.source[index], local=True)
+
+  def iterator(self, state: dict[str, Any] | None = None,
+               start: int = 0) -> grain.DatasetIterator:
+    """A grain iterator over the training batches (global arrays) from
+    batch `start`, or from a saved `iterator.get_state()`."""
+    ds = (grain.MapDataset.source(self.source)
+          .map(lambda rows: self._global(rows, local=True))
+          .to_iter_dataset(read_options=grain.ReadOptions(
+              num_threads=0, prefetch_buffer_size=0)))
+    it = iter(ds)
+    it.set_state(dict(state) if state else {"next_index": start})
+    return it
+
+  def eval(self) -> Iterator[tuple[dict, dict]]:
     """The held-out batches as (global arrays, host batch) pairs."""
     for batch in self.dataset.eval_batches(self.batch_size):
       yield self.put(batch), batch

@@ -10,11 +10,15 @@ Reads the three formats of the GroupLens releases:
 Raw ids are integers end to end (never parsed through a float, so ids at or
 above 2**53 stay distinct) and are remapped to dense indices. The split is by time: the latest
 `eval_fraction` of ratings are held out, as a model is deployed on the future.
-Features: user, item, hour of day and day of week of the rating.
+Features: user, item, hour of day and day of week of the rating, and the
+user's history: the items the user rated positively strictly before the
+rating's timestamp (newest first, at most `history_len`), a bag that shares
+the item table. Nothing of a rating's own time or later enters its history.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import os
@@ -129,12 +133,41 @@ def load_ratings(path: str) -> Ratings:
                  np.array(rating, np.float64), np.array(timestamp, np.int64))
 
 
+def user_histories(user: np.ndarray, item: np.ndarray, positive: np.ndarray,
+                   timestamp: np.ndarray, cap: int) -> np.ndarray:
+  """(N, cap) int32: per rating (time-sorted input), the items its user
+  rated positively at strictly earlier timestamps, newest first, -1 padded.
+
+  Ratings that share a timestamp do not see each other: none happened
+  before the other.
+  """
+  out = np.full((len(user), cap), -1, np.int32)
+  if cap == 0:
+    return out
+  order = np.argsort(user, kind="stable")  # per user, time order kept
+  bounds = np.flatnonzero(np.diff(user[order])) + 1
+  for seg in np.split(order, bounds):
+    hist = collections.deque(maxlen=cap)
+    pending, pending_ts = [], None
+    for j in seg:
+      if pending and timestamp[j] != pending_ts:
+        hist.extend(pending)
+        pending = []
+      if hist:
+        out[j, :len(hist)] = list(reversed(hist))
+      if positive[j]:
+        pending.append(item[j])
+        pending_ts = timestamp[j]
+  return out
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class MovieLens:
   """A MovieLens ratings file as train and eval click logs.
 
   Attributes:
     user, item, hour, weekday: (N,) int32 dense feature indices, time-sorted.
+    history: (N, history_len) int32 earlier positive items (`user_histories`).
     label: (N,) float32, rating >= 4.
     num_train: the first num_train examples train, the rest evaluate.
     num_users, num_items: vocabulary sizes.
@@ -145,6 +178,7 @@ class MovieLens:
   item: np.ndarray
   hour: np.ndarray
   weekday: np.ndarray
+  history: np.ndarray
   label: np.ndarray
   num_train: int
   num_users: int
@@ -154,7 +188,9 @@ class MovieLens:
 
   @classmethod
   def from_file(cls, path: str, *, eval_fraction: float = 0.1,
-                seed: int = 0) -> "MovieLens":
+                seed: int = 0, history_len: int = 16) -> "MovieLens":
+    """Reads `path`; the latest `eval_fraction` of ratings evaluate;
+    `history_len` caps the history bag (0: no history feature)."""
     if not 0.0 < eval_fraction < 1.0:
       raise DataError(f"eval_fraction must be in (0, 1), got {eval_fraction}.")
     r = load_ratings(path)
@@ -166,11 +202,13 @@ class MovieLens:
     _, user = np.unique(r.user[order], return_inverse=True)
     _, item = np.unique(r.item[order], return_inverse=True)
     ts = r.timestamp[order]
+    label = r.rating[order] >= 4
     num_train = min(max(int(round(n * (1 - eval_fraction))), 1), n - 1)
     return cls(user=user.astype(np.int32), item=item.astype(np.int32),
                hour=((ts // 3600) % 24).astype(np.int32),
                weekday=((ts // 86400 + 4) % 7).astype(np.int32),  # 1970-01-01: Thursday
-               label=(r.rating[order] >= 4).astype(np.float32), num_train=num_train,
+               history=user_histories(user, item, label, ts, history_len),
+               label=label.astype(np.float32), num_train=num_train,
                num_users=int(user.max()) + 1, num_items=int(item.max()) + 1,
                seed=seed)
 
@@ -179,25 +217,46 @@ class MovieLens:
     return (FeatureInfo("user", "user", self.num_users, 1, "sum"),
             FeatureInfo("item", "item", self.num_items, 1, "sum"),
             FeatureInfo("hour", "hour", 24, 1, "sum"),
-            FeatureInfo("weekday", "weekday", 7, 1, "sum"))
+            FeatureInfo("weekday", "weekday", 7, 1, "sum"),
+            *([FeatureInfo("history", "item", self.num_items,
+                           self.history.shape[1], "mean")]
+              if self.history.shape[1] else []))
+
+  @property
+  def train_size(self) -> int:
+    """Training examples in one epoch."""
+    return self.num_train
+
+  def split_columns(self):
+    """(train, eval) (user, item, label) columns of the time split, for
+    the baselines (`pallas_emb.baselines.Columns`-like tuples)."""
+    cut = self.num_train
+    return ((self.user[:cut], self.item[:cut], self.label[:cut]),
+            (self.user[cut:], self.item[cut:], self.label[cut:]))
 
   def _batch(self, idx: np.ndarray, weight: np.ndarray) -> dict:
     col = lambda a: a[idx][:, None].astype(np.int32)
     return {"ids": {"user": col(self.user), "item": col(self.item),
-                    "hour": col(self.hour), "weekday": col(self.weekday)},
+                    "hour": col(self.hour), "weekday": col(self.weekday),
+                    **({"history": self.history[idx]}
+                       if self.history.shape[1] else {})},
             "dense": np.zeros((len(idx), 0), np.float32),
             "label": self.label[idx], "weight": weight.astype(np.float32)}
 
   def train_batch(self, index: int, batch_size: int) -> dict:
     """Batch `index` of an endless, per-epoch shuffled pass over train."""
-    positions = index * batch_size + np.arange(batch_size)
+    return self.train_rows(index, batch_size, 0, batch_size)
+
+  def train_rows(self, index: int, batch_size: int, lo: int, hi: int) -> dict:
+    """Rows [lo, hi) of training batch `index`, reading only those."""
+    positions = index * batch_size + np.arange(lo, hi)
     epochs, offsets = np.divmod(positions, self.num_train)
-    idx = np.empty(batch_size, np.int64)
+    idx = np.empty(hi - lo, np.int64)
     for epoch in np.unique(epochs):
       perm = np.random.default_rng([self.seed, int(epoch)]).permutation(self.num_train)
       sel = epochs == epoch
       idx[sel] = perm[offsets[sel]]
-    return self._batch(idx, np.ones(batch_size))
+    return self._batch(idx, np.ones(hi - lo))
 
   def eval_batches(self, batch_size: int) -> Iterator[dict]:
     """The held-out (latest) ratings; the last batch is zero-weight padded."""

@@ -8,7 +8,9 @@ recommender logs. Each example's click probability comes from a hidden model:
 
 with low-rank latent vectors u, v. An embedding model can learn all of it, so
 eval AUC measures learning (the hidden model's own AUC is its ceiling).
-Batches are a pure function of (seed, index).
+Batches are a pure function of (seed, index), generated in blocks of 16
+examples (block j of batch i from stream (seed, 0, i, j)), so a process
+generates only the blocks of its own rows (`train_rows`).
 """
 
 from __future__ import annotations
@@ -21,8 +23,16 @@ import numpy as np
 
 from pallas_emb.data.base import FeatureInfo
 
-# Training batch i uses stream (seed, 0, i); the eval set stream (seed, 1).
+# Block j of training batch i uses stream (seed, 0, i, j); the eval set
+# stream (seed, 1).
 _TRAIN, _EVAL = 0, 1
+_BLOCK = 16
+
+
+def _concat_examples(parts: list[dict]) -> dict:
+  """Example dicts (nested) -> one, rows concatenated."""
+  return {k: _concat_examples([p[k] for p in parts]) if isinstance(parts[0][k], dict)
+          else np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
 def _take_examples(tree: dict, idx: np.ndarray) -> dict:
@@ -100,10 +110,19 @@ class SyntheticClickLog:
         "true_logit": logit.astype(np.float32),
     }
 
+  def train_rows(self, index: int, batch_size: int, lo: int, hi: int) -> dict:
+    """Rows [lo, hi) of training batch `index`, generating only the blocks
+    they overlap."""
+    first, last = lo // _BLOCK, -(-hi // _BLOCK)
+    parts = [self._examples(np.random.default_rng([self.seed, _TRAIN, index, j]),
+                            min(_BLOCK, batch_size - j * _BLOCK))
+             for j in range(first, last)]
+    offset = first * _BLOCK
+    return _take_examples(_concat_examples(parts), np.arange(lo - offset, hi - offset))
+
   def train_batch(self, index: int, batch_size: int) -> dict:
     """Training batch `index` (any int >= 0): deterministic."""
-    return self._examples(np.random.default_rng([self.seed, _TRAIN, index]),
-                          batch_size)
+    return self.train_rows(index, batch_size, 0, batch_size)
 
   @functools.cached_property
   def _eval_set(self) -> dict:

@@ -34,11 +34,12 @@ import optax
 
 from pallas_emb import async_emb, validate
 from pallas_emb.async_emb import (
-    AsyncEmbContextHandle, AsyncEmbGradientUpdate, EmbLookup, EmbOptState)
+    AsyncEmbContextHandle, AsyncEmbGradientUpdate, EmbLookup)
 from pallas_emb.embedding import ShardedEmbedding
 from pallas_emb.errors import InputError
 from pallas_emb.ids import int32_ids
 from pallas_emb.state import TableState
+from pallas_emb.train import emb_update
 from pallas_emb.train.config import TrainConfig, validate_config
 
 # loss_fn(params, acts, batch) -> (loss, aux): acts maps feature -> embedding.
@@ -66,19 +67,6 @@ class TrainState(NamedTuple):
   pending: dict[str, AsyncEmbGradientUpdate]
   lookups: dict[str, EmbLookup]
   step: jax.Array
-
-
-# What a step reports of each table's update, besides norm, applied, skipped.
-_COUNTS = ("unique_ids", "invalid_ids", "overflow_ids", "max_unique_per_shard",
-           "max_ids_per_route", "max_rows_per_owner")
-
-
-def _table_metrics(m: Mapping[str, jax.Array], pending, norm, valid):
-  # Skipped: a pending update with rows that was not applied (non-finite
-  # norm). An update without rows is nothing to apply, not a skip.
-  skipped = pending & jnp.logical_not(valid) & (m["unique_ids"] > 0)
-  return {"grad_norm": norm, "applied": valid, "skipped": skipped,
-          **{k: m[k] for k in _COUNTS}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,13 +181,6 @@ def _dense_step(tr: Trainer, params, opt_state, acts, batch):
   return optax.apply_updates(params, updates), opt_state, loss, aux, g_acts
 
 
-def _start(ctx, update, table_state: TableState, gate=None):
-  _, table, opt_state, m = async_emb.gradient_update_start(
-      ctx, update, table_state.table,
-      EmbOptState(table_state.slots, table_state.step), gate)
-  return TableState(table, opt_state.slots, opt_state.step), m
-
-
 def _sync_step(tr: Trainer, state: TrainState, batch, next_batch):
   """Lookup, dense step and sparse update, in order (any optimizer)."""
   del next_batch
@@ -207,21 +188,10 @@ def _sync_step(tr: Trainer, state: TrainState, batch, next_batch):
   params, opt_state, loss, aux, g_acts = _dense_step(
       tr, state.params, state.opt_state, acts, batch)
   tables, m = tr.emb.apply_gradients(state.tables, res, g_acts)
-  emb_metrics = {k: _table_metrics(v._asdict(), jnp.asarray(True),
-                                   v.grad_norm, v.applied)
-                 for k, v in m.items()}
+  emb_metrics = emb_update.sync_metrics(m)
   return (state._replace(params=params, opt_state=opt_state, tables=tables,
                          step=state.step + 1),
           {"loss": loss, "aux": aux, "emb": emb_metrics})
-
-
-def _collect(ctx, tables, update, started, next_batch, gate):
-  """Collects the started update of `ctx`'s table, then starts the lookup of
-  the next batch on the updated table -> (metrics, lookup)."""
-  norm, valid, pin = async_emb.gradient_update_done(ctx, gate=gate)
-  lookup = async_emb.lookup_start(ctx, tables[ctx.name].table,
-                                  ctx.table_inputs(next_batch["ids"]), gate=pin)
-  return _table_metrics(started, update.pending, norm, valid), lookup
 
 
 def _async_step(tr: Trainer, state: TrainState, batch, next_batch):
@@ -233,14 +203,16 @@ def _async_step(tr: Trainer, state: TrainState, batch, next_batch):
     acts.update(async_emb.lookup_done(ctx, state.lookups[name]))
   # Step t-1's gradient: no data dependence on this step's forward.
   for name, ctx in tr.contexts:
-    tables[name], started[name] = _start(ctx, state.pending[name], tables[name])
+    tables[name], started[name] = emb_update.start_update(
+        ctx, state.pending[name], tables[name])
   params, opt_state, loss, aux, g_acts = _dense_step(
       tr, state.params, state.opt_state, acts, batch)
   for name, ctx in tr.contexts:
     pending[name] = async_emb.make_gradient_update(
         ctx, state.lookups[name], ctx.table_inputs(g_acts))
-    emb_metrics[name], lookups[name] = _collect(
-        ctx, tables, state.pending[name], started[name], next_batch, loss)
+    emb_metrics[name], lookups[name] = emb_update.collect_update(
+        ctx, tables, state.pending[name], started[name], next_batch["ids"],
+        loss)
   return (TrainState(params, opt_state, tables, pending, lookups,
                      state.step + 1),
           {"loss": loss, "aux": aux, "emb": tr.emb.metrics_by_table(emb_metrics)})
@@ -258,9 +230,9 @@ def _exact_step(tr: Trainer, state: TrainState, batch, next_batch):
   for name, ctx in tr.contexts:
     update = async_emb.make_gradient_update(
         ctx, state.lookups[name], ctx.table_inputs(g_acts))
-    tables[name], started = _start(ctx, update, tables[name], loss)
-    emb_metrics[name], lookups[name] = _collect(
-        ctx, tables, update, started, next_batch, loss)
+    tables[name], started = emb_update.start_update(ctx, update, tables[name], loss)
+    emb_metrics[name], lookups[name] = emb_update.collect_update(
+        ctx, tables, update, started, next_batch["ids"], loss)
   return (TrainState(params, opt_state, tables, state.pending, lookups,
                      state.step + 1),
           {"loss": loss, "aux": aux, "emb": tr.emb.metrics_by_table(emb_metrics)})
@@ -275,10 +247,8 @@ def _jit_step(tr: Trainer, state: TrainState, batch, next_batch):
 def _jit_flush(tr: Trainer, state: TrainState):
   tables, pending, emb_metrics = dict(state.tables), dict(state.pending), {}
   for name, ctx in tr.contexts:
-    update = state.pending[name]
-    tables[name], m = _start(ctx, update, tables[name])
-    norm, valid, _ = async_emb.gradient_update_done(ctx)
-    emb_metrics[name] = _table_metrics(m, update.pending, norm, valid)
+    tables[name], emb_metrics[name] = emb_update.flush_update(
+        ctx, tables[name], state.pending[name])
     pending[name] = async_emb.empty_gradient_update(ctx)
   return (state._replace(tables=tables, pending=pending),
           {"emb": tr.emb.metrics_by_table(emb_metrics)})

@@ -1,0 +1,62 @@
+"""The table half of a training step, shared by every front end.
+
+The functional `Trainer` (`train.step`) and the Flax NNX layer
+(`pallas_emb.nnx`) run the same calls in the same order through these
+functions, so the two train bit for bit alike.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+
+from pallas_emb import async_emb
+from pallas_emb.async_emb import EmbOptState
+from pallas_emb.state import TableState
+
+# What a step reports of each table's update, besides norm, applied, skipped.
+COUNTS = ("unique_ids", "invalid_ids", "overflow_ids", "max_unique_per_shard",
+          "max_ids_per_route", "max_rows_per_owner")
+
+
+def table_metrics(m: Mapping[str, jax.Array], pending, norm, valid) -> dict:
+  """One table's step metrics: "grad_norm", "applied", "skipped" and the
+  `COUNTS` of the update's metrics `m`."""
+  # Skipped: a pending update with rows that was not applied (non-finite
+  # norm). An update without rows is nothing to apply, not a skip.
+  skipped = pending & jnp.logical_not(valid) & (m["unique_ids"] > 0)
+  return {"grad_norm": norm, "applied": valid, "skipped": skipped,
+          **{k: m[k] for k in COUNTS}}
+
+
+def sync_metrics(m) -> dict:
+  """`table_metrics` of every table of a synchronous `apply_gradients`."""
+  return {k: table_metrics(v._asdict(), jnp.asarray(True), v.grad_norm,
+                           v.applied)
+          for k, v in m.items()}
+
+
+def start_update(ctx, update, table_state: TableState, gate=None):
+  """Starts `update` on one table -> (TableState, the update's metrics)."""
+  _, table, opt_state, m = async_emb.gradient_update_start(
+      ctx, update, table_state.table,
+      EmbOptState(table_state.slots, table_state.step), gate)
+  return TableState(table, opt_state.slots, opt_state.step), m
+
+
+def collect_update(ctx, tables, update, started, next_ids, gate):
+  """Collects the started update of `ctx`'s table, then starts the lookup of
+  the next batch's ids on the updated table -> (metrics, lookup)."""
+  norm, valid, pin = async_emb.gradient_update_done(ctx, gate=gate)
+  lookup = async_emb.lookup_start(ctx, tables[ctx.name].table,
+                                  ctx.table_inputs(next_ids), gate=pin)
+  return table_metrics(started, update.pending, norm, valid), lookup
+
+
+def flush_update(ctx, table_state: TableState, update):
+  """Applies a pending update now -> (TableState, metrics)."""
+  table_state, m = start_update(ctx, update, table_state)
+  norm, valid, _ = async_emb.gradient_update_done(ctx)
+  return table_state, table_metrics(m, update.pending, norm, valid)
