@@ -121,9 +121,11 @@ def _self_test() -> str:
       jax.ShapeDtypeStruct((5,), jnp.int32),
       jax.ShapeDtypeStruct((), jnp.int32)))
   try:
-    # Eagerly, even when the backend is first resolved inside a trace.
+    # Eagerly, even when the backend is first resolved inside a trace, and on
+    # a device of this process: with several processes, jax.devices()[0] may
+    # be another's, and a computation there waits for that process forever.
     with jax.ensure_compile_time_eval():
-      out = jax.jit(call)(jax.device_put(keys, jax.devices("cpu")[0]))
+      out = jax.jit(call)(jax.device_put(keys, jax.local_devices(backend="cpu")[0]))
     got = [np.asarray(x).tolist() for x in out]
   except Exception as e:  # pylint: disable=broad-except
     return f"its self-test failed: {type(e).__name__}: {e}"
@@ -136,7 +138,7 @@ def _self_test() -> str:
 def status() -> Status:
   """The native backend's `Status` on this process's CPU platform."""
   try:
-    jax.devices("cpu")
+    jax.local_devices(backend="cpu")
   except RuntimeError as e:
     return Status(False, None, f"JAX has no CPU platform: {e}")
   lib, st = _library()
