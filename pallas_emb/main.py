@@ -1,20 +1,17 @@
 """The main job: train and evaluate a ranking model with sharded tables.
 
     python -m pallas_emb                       # synthetic click log, 8 CPU devices
-    python -m pallas_emb --data=movielens:ml-100k/u.data --steps=2000
     python -m pallas_emb --data=movielens:ml-1m/ratings.dat --epochs=3 --eval_every=200 \
         --early_stop_patience=3 --checkpoint_dir=/tmp/run --tensorboard_dir=/tmp/tb
     python -m pallas_emb --checkpoint_dir=/tmp/run --checkpoint_every=100 --resume
     python -m pallas_emb --workload=dlrm [--stacking=off]   # 26 Criteo-shaped tables
 
-With --eval_every the report names the best evaluation (lowest eval
-log-loss) and its step; with --checkpoint_dir that step's checkpoint is kept
-in CHECKPOINT_DIR/best. On MovieLens the job also scores two baselines on the
-same time split (item popularity, logistic regression on user and item ids).
-
-Every categorical feature is looked up from a row-sharded table; the tables
-are trained with the fused asynchronous update (one step stale, like the
-reference) unless --noasync_emb or --exact_emb; the MLP with optax Adam.
+With --eval_every the report names the best evaluation (lowest eval log-loss)
+and its step, kept in CHECKPOINT_DIR/best. On MovieLens the job also scores
+two baselines on the same time split (item popularity, logistic regression on
+user and item ids). Tables train with the fused asynchronous update (one step
+stale, like the reference) unless --noasync_emb or --exact_emb; the MLP with
+optax Adam.
 """
 
 from __future__ import annotations
