@@ -15,10 +15,8 @@ from __future__ import annotations
 from flax import nnx
 import jax
 
-from pallas_emb import validate
-from pallas_emb.errors import InputError
-from pallas_emb.ids import int32_ids
 from pallas_emb.nnx.embed import Embed
+from pallas_emb.train import emb_update
 
 
 def _dense_grads(dense: nnx.Module, acts, batch):
@@ -50,10 +48,6 @@ def _step(embed: Embed, dense: nnx.Module, optimizer: nnx.Optimizer, batch,
   return {"loss": loss, "aux": aux, "emb": emb_metrics}
 
 
-def _int32(batch):
-  return None if batch is None else {**batch, "ids": int32_ids(batch["ids"])}
-
-
 def train_step(embed: Embed, dense: nnx.Module, optimizer: nnx.Optimizer,
                batch, next_batch=None) -> dict:
   """One training step on `batch`; updates the three modules in place.
@@ -71,15 +65,9 @@ def train_step(embed: Embed, dense: nnx.Module, optimizer: nnx.Optimizer,
   Returns:
     {"loss", "aux", "emb": table -> metrics}, as `Trainer.step`.
   """
-  for b in (batch, next_batch):
-    if b is not None:
-      validate.check_placement(b["ids"], embed.emb.mesh)
-  if embed.contexts and next_batch is None:
-    raise InputError(
-        "the async and exact pipelines need next_batch: step t starts the "
-        "lookup of batch t+1; pass the next batch (any batch of the same "
-        "shapes at the last step, then flush).")
-  return _step(embed, dense, optimizer, _int32(batch), _int32(next_batch))
+  batch, next_batch = emb_update.step_batches(embed.emb.mesh, embed.contexts,
+                                              batch, next_batch)
+  return _step(embed, dense, optimizer, batch, next_batch)
 
 
 @nnx.jit
@@ -99,7 +87,7 @@ def _evaluate(embed: Embed, dense: nnx.Module, batch):
 
 def evaluate(embed: Embed, dense: nnx.Module, batch):
   """(loss, aux) of `batch` on the current tables, nothing updated."""
-  return _evaluate(embed, dense, _int32(batch))
+  return _evaluate(embed, dense, emb_update.int32_batch(batch))
 
 
 def replicate(module: nnx.Module, embed: Embed) -> None:

@@ -12,13 +12,42 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 
-from pallas_emb import async_emb
+from pallas_emb import async_emb, validate
 from pallas_emb.async_emb import EmbOptState
+from pallas_emb.errors import InputError
+from pallas_emb.ids import int32_ids
 from pallas_emb.state import TableState
 
 # What a step reports of each table's update, besides norm, applied, skipped.
 COUNTS = ("unique_ids", "invalid_ids", "overflow_ids", "max_unique_per_shard",
           "max_ids_per_route", "max_rows_per_owner")
+
+
+def step_batches(mesh, contexts, batch, next_batch):
+  """Validates a step's batches; returns them with int32 ids (converted on
+  the host for NumPy ids: JAX would wrap NumPy int64 ids as they enter the
+  jitted step).
+
+  Raises:
+    PlacementError: ids committed to devices outside `mesh`.
+    InputError: an async or exact pipeline (`contexts`) without next_batch.
+  """
+  for b in (batch, next_batch):
+    if b is not None:
+      validate.check_placement(b["ids"], mesh)
+  if contexts and next_batch is None:
+    raise InputError(
+        "the async and exact pipelines need next_batch: step t starts the "
+        "lookup of batch t+1; pass the next batch (any batch of the same "
+        "shapes at the last step, then flush).")
+  return int32_batch(batch), int32_batch(next_batch)
+
+
+def int32_batch(batch):
+  """`batch` with int32 ids (see `step_batches`); None stays None."""
+  if not isinstance(batch, Mapping) or "ids" not in batch:
+    return batch
+  return {**batch, "ids": int32_ids(batch["ids"])}
 
 
 def table_metrics(m: Mapping[str, jax.Array], pending, norm, valid) -> dict:

@@ -32,12 +32,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from pallas_emb import async_emb, validate
+from pallas_emb import async_emb
 from pallas_emb.async_emb import (
     AsyncEmbContextHandle, AsyncEmbGradientUpdate, EmbLookup)
 from pallas_emb.embedding import ShardedEmbedding
-from pallas_emb.errors import InputError
-from pallas_emb.ids import int32_ids
 from pallas_emb.state import TableState
 from pallas_emb.train import emb_update
 from pallas_emb.train.config import TrainConfig, validate_config
@@ -129,16 +127,9 @@ class Trainer:
       "max_rows_per_owner"} (see `TableMetrics`; for async, of the update
       applied in this step, i.e. of step t-1's batch).
     """
-    for b in (batch, next_batch):
-      if b is not None:
-        validate.check_placement(b["ids"], self.emb.mesh)
-    if self.contexts and next_batch is None:
-      raise InputError(
-          "the async and exact pipelines need next_batch: step t starts the "
-          "lookup of batch t+1; pass the next batch (any batch of the same "
-          "shapes at the last step, then flush).")
-    return _jit_step(self, state, _int32_batch(batch),
-                     _int32_batch(next_batch))
+    batch, next_batch = emb_update.step_batches(self.emb.mesh, self.contexts,
+                                                batch, next_batch)
+    return _jit_step(self, state, batch, next_batch)
 
   def flush(self, state: TrainState):
     """Applies the pending update -> (state, metrics). `state` is donated."""
@@ -146,15 +137,7 @@ class Trainer:
 
   def evaluate(self, state: TrainState, batch):
     """(loss, aux) of `batch` on the current tables, without updating."""
-    return _jit_evaluate(self, state, _int32_batch(batch))
-
-
-def _int32_batch(batch):
-  """`batch` with int32 ids, converted on the host for NumPy ids: JAX would
-  wrap NumPy int64 ids as they enter the jitted step."""
-  if not isinstance(batch, Mapping) or "ids" not in batch:
-    return batch
-  return {**batch, "ids": int32_ids(batch["ids"])}
+    return _jit_evaluate(self, state, emb_update.int32_batch(batch))
 
 
 def make_trainer(emb: ShardedEmbedding, loss_fn: LossFn,
