@@ -81,7 +81,7 @@ def candidates() -> list[pathlib.Path]:
     dist = importlib.metadata.distribution(DISTRIBUTION)
     paths.append(pathlib.Path(dist.locate_file(f"pallas_emb/kernels/{LIBRARY}")))
   except importlib.metadata.PackageNotFoundError:
-    pass
+    pass  # a source tree that was never installed: only build/ below
   if (_SOURCE_ROOT / "pyproject.toml").exists():
     paths.append(_SOURCE_ROOT / "build" / LIBRARY)
   return paths
