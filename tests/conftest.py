@@ -14,6 +14,13 @@ fused the graph around them. The Pallas kernels in interpret mode compute the
 same ops as the XLA oracle but inside a differently fused graph, so with FMA
 the two can differ in the last bit (LazyAdam does); without it every op rounds
 once on every path and the kernels are compared with the oracle bit for bit.
+
+JAX's compilation caches are cleared after each test module. Every XLA:CPU
+executable keeps a few memory mappings of its JIT-compiled code for as long as
+it is cached, and the whole suite compiles enough (the TPU interpreter most of
+all) to pass Linux's default limit of 65,530 mappings per process; LLVM then
+aborts the process inside a compile. No module reuses what another compiled
+(`small_trainer` builds its trainer again in each module that asks).
 """
 
 import functools
@@ -41,6 +48,13 @@ def make_mesh(num_devices: int = NUM_DEVICES, axis: str = "x") -> jax.sharding.M
         f"need {num_devices + 1} devices, have {len(devices)}: XLA_FLAGS was "
         "set after JAX initialised its backends")
   return jax.sharding.Mesh(np.array(devices[1:num_devices + 1]), (axis,))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  yield
+  jax.clear_caches()
+  small_trainer.cache_clear()
 
 
 @pytest.fixture
