@@ -15,13 +15,6 @@ same ops as the XLA oracle but inside a differently fused graph, so with FMA
 the two can differ in the last bit (LazyAdam does); without it every op rounds
 once on every path and the kernels are compared with the oracle bit for bit.
 
-LLVM optimises XLA:CPU's code at level 0 and without its expensive passes:
-the suite spends most of its time compiling small programs that run once,
-and this compiles them about 1.6 times faster (tests/test_stacking.py: 137 s
--> 87 s). It changes no result: XLA's HLO passes are the same, and without
-fast-math LLVM may not reorder float arithmetic at any level. Jobs the tests
-start as subprocesses run with XLA's defaults, as a user's would.
-
 JAX's compilation caches are cleared after each test module. Every XLA:CPU
 executable keeps a few memory mappings of its JIT-compiled code for as long as
 it is cached, and the whole suite compiles enough (the TPU interpreter most of
@@ -37,8 +30,6 @@ import re
 _TEST_FLAGS = {
     "--xla_force_host_platform_device_count": "9",
     "--xla_cpu_max_isa": "AVX",
-    "--xla_backend_optimization_level": "0",
-    "--xla_llvm_disable_expensive_passes": "true",
 }
 _flags = re.sub(rf"({'|'.join(_TEST_FLAGS)})=\S+", "", os.environ.get("XLA_FLAGS", ""))
 os.environ["XLA_FLAGS"] = " ".join(
