@@ -7,12 +7,14 @@
 
 Per workload (V rows x D float32, N ids drawn as `(rng(0).zipf(1.1, N) - 1) %
 V`, one gradient row per id, row-wise Adagrad with lr 0.01, eps 1e-8, no
-decay), in one process and interleaved step by step, so that the machine's
-noise hits every method alike, it times the methods of `bench_methods`:
+decay), in one process, it times the methods of `bench_methods`:
 fused (this project's update on the platform's default backend: "native"
 on CPU when its library is built), fused_xla (the XLA path), dense (a dense
 gradient and row-wise Adagrad over the whole table) and fbgemm (FBGEMM's CPU
 backward, when `torch` and `fbgemm_gpu` import: `pip install ".[bench]"`).
+The fused methods and fbgemm are interleaved step by step, so the machine's
+noise hits them alike; dense, which holds a table-sized gradient, runs after
+them with FBGEMM's table freed.
 
 Tables, ours and FBGEMM's alike, are put on transparent huge pages
 (`host_memory.use_huge_pages`; --nohuge_pages to measure without). After the
@@ -149,6 +151,24 @@ def _summary(times, peak_rss) -> dict:
           "steps": len(ms)}
 
 
+def _time_steps(runners, steps: int, warmup: int) -> dict:
+  """name -> the summary of `steps` timed steps of each runner, interleaved
+  step by step (noise hits every method alike), after `warmup` steps."""
+  for r in runners:  # compile, first touch
+    for _ in range(warmup):
+      r.step()
+  times = {r.name: [] for r in runners}
+  rss = {r.name: PeakRss() for r in runners}
+  for _ in range(steps):
+    for r in runners:
+      with rss[r.name]:
+        tic = time.perf_counter()
+        inner = r.step()
+        elapsed = time.perf_counter() - tic
+      times[r.name].append(inner if isinstance(inner, float) else elapsed)
+  return {name: _summary(t, rss[name].peak) for name, t in times.items()}
+
+
 def run_workload(vocab: int, num_ids: int, dim: int, methods, bandwidth: float,
                  steps: int, warmup: int, *, profile_steps: int = 0,
                  huge_pages: bool = True) -> dict:
@@ -158,43 +178,33 @@ def run_workload(vocab: int, num_ids: int, dim: int, methods, bandwidth: float,
   # The capacity a user would set from the unique counts the metrics report.
   capacity = 1 << int(np.ceil(np.log2(unique)))
   grads_np = np.random.default_rng(1).normal(size=(num_ids, dim)).astype(np.float32)
-  runners = []
-  needs_jax = [m for m in methods if m != "fbgemm"]
-  shared = None
-  if needs_jax:
+  fused, shared, grads = [], None, None
+  if any(m != "fbgemm" for m in methods):
     shared = SharedTable(vocab, dim, capacity, huge_pages=huge_pages)
     grads = jax.device_put(grads_np)
-    for m in needs_jax:
-      runners.append(Dense(shared, ids, grads) if m == "dense" else Fused(
-          shared, ids, grads, backend=None if m == "fused" else m[len("fused_"):]))
-  if "fbgemm" in methods:
-    runners.append(FbgemmBackward(vocab, dim, ids, grads_np, huge_pages=huge_pages))
-  for r in runners:  # compile, first touch
-    for _ in range(warmup):
-      r.step()
-  times = {r.name: [] for r in runners}
-  rss = {r.name: PeakRss() for r in runners}
-  for _ in range(steps):
-    for r in runners:  # interleaved: noise hits every method alike
-      with rss[r.name]:
-        tic = time.perf_counter()
-        inner = r.step()
-        elapsed = time.perf_counter() - tic
-      times[r.name].append(inner if isinstance(inner, float) else elapsed)
-  floor_s = floor_bytes(unique, num_ids, dim) / bandwidth
-  summary = {name: _summary(t, rss[name].peak) for name, t in times.items()}
-  for r in runners:
-    if isinstance(r, Fused):
-      summary[r.name]["backend"] = r.backend
+    fused = [Fused(shared, ids, grads, backend=None if m == "fused" else m[len("fused_"):])
+             for m in methods if m.startswith("fused")]
+  fbgemm = (FbgemmBackward(vocab, dim, ids, grads_np, huge_pages=huge_pages)
+            if "fbgemm" in methods else None)
+  huge_page_bytes = ({"fbgemm": fbgemm.huge_page_bytes} if fbgemm else {}) | (
+      {"jax": shared.huge_page_bytes} if shared else {})
+  summary = _time_steps(fused + ([fbgemm] if fbgemm else []), steps, warmup)
+  if "dense" in methods:
+    # The dense update holds a table-sized gradient beside the table. Next
+    # to FBGEMM's own copy of the table, W2 (V = 10M: 5.1 GB each) outgrew a
+    # 24 GB machine, so dense is timed after the others, FBGEMM's table freed.
+    del fbgemm
+    gc.collect()
+    host_memory.release_free_memory()
+    summary |= _time_steps([Dense(shared, ids, grads)], steps, warmup)
+  for r in fused:
+    summary[r.name]["backend"] = r.backend
   result = {"vocab": vocab, "ids": num_ids, "dim": dim, "unique": unique,
-            "unique_capacity": capacity, "floor_ms": floor_s * 1e3,
-            "huge_page_bytes": {r.name: r.huge_page_bytes for r in runners
-                                if isinstance(r, FbgemmBackward)} | (
-                {"jax": shared.huge_page_bytes} if shared else {}),
-            "methods": summary}
+            "unique_capacity": capacity,
+            "floor_ms": floor_bytes(unique, num_ids, dim) / bandwidth * 1e3,
+            "huge_page_bytes": huge_page_bytes, "methods": summary}
   if profile_steps:
-    result["profile"] = {r.name: profile(r, profile_steps)
-                         for r in runners if isinstance(r, Fused)}
+    result["profile"] = {r.name: profile(r, profile_steps) for r in fused}
   return result
 
 
