@@ -79,9 +79,10 @@ def candidates() -> list[pathlib.Path]:
   paths.append(_HERE / LIBRARY)
   try:
     dist = importlib.metadata.distribution(DISTRIBUTION)
-    paths.append(pathlib.Path(dist.locate_file(f"pallas_emb/kernels/{LIBRARY}")))
   except importlib.metadata.PackageNotFoundError:
-    pass  # a source tree that was never installed: only build/ below
+    dist = None  # a source tree that was never installed: only build/ below
+  if dist is not None:
+    paths.append(pathlib.Path(dist.locate_file(f"pallas_emb/kernels/{LIBRARY}")))
   if (_SOURCE_ROOT / "pyproject.toml").exists():
     paths.append(_SOURCE_ROOT / "build" / LIBRARY)
   return paths
