@@ -69,13 +69,6 @@ def token_ids(x: Any) -> tuple[jax.Array, jax.Array]:
   return ids.reshape(-1), jnp.zeros((), jnp.int32)
 
 
-def token_shape(x: Any) -> tuple[int, int]:
-  """The (b, L) token block of a feature block: (C, 1) when ragged."""
-  if isinstance(x, Ragged):
-    return (x.ids.shape[0], 1)
-  return (x.ids if isinstance(x, Weighted) else x).shape
-
-
 def _normalize(w, combiner, bag_sum, to_tokens):
   """Divides per-token weights by their bag's norm; zero for a zero norm."""
   if combiner == "mean":

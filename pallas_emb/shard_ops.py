@@ -26,6 +26,7 @@ from jax.sharding import Mesh
 
 from pallas_emb import kernels, members as members_lib, pooling
 from pallas_emb.capacity import Capacities
+from pallas_emb.inputs import token_shape
 from pallas_emb.kernels.backend import platform_of
 from pallas_emb.members import Members
 from pallas_emb.spec import FeatureSpec, TableSpec
@@ -142,7 +143,7 @@ def make_residuals(unique: Unique, plan: RoutePlan, weights,
 def pool_all(t: ShardedTable, blocks: Sequence, rows: jax.Array,
              has_row: jax.Array):
   """Every feature's (output, residual weights) from its token rows."""
-  shapes = [pooling.token_shape(x) for x in blocks]
+  shapes = [token_shape(x) for x in blocks]
   return zip(*(pooling.pool(x, r, v, f.combiner) for f, x, r, v in zip(
       t.features, blocks, split_tokens(rows, shapes),
       split_tokens(has_row, shapes))))
