@@ -15,36 +15,67 @@ __version__ = "0.1.0"
 
 # Public name -> the module that defines it.
 _EXPORTS = {
-    **dict.fromkeys(
-        ["AsyncEmbContextHandle", "AsyncEmbGradientUpdate", "AsyncEmbOptimizer",
-         "EmbLookup", "EmbOptState", "empty_gradient_update",
-         "gradient_update_done", "gradient_update_start", "lookup_done",
-         "lookup_start", "make_context_handle", "make_gradient_update",
-         "supports_async_emb"], "pallas_emb.async_emb"),
-    "Capacities": "pallas_emb.capacity",
-    "ShardedEmbedding": "pallas_emb.embedding",
-    **dict.fromkeys(["TableMetrics", "TableResiduals", "TableState"],
-                    "pallas_emb.state"),
-    **dict.fromkeys(
-        ["AsyncEmbStateError", "BackendError", "CheckpointCorruptError",
-         "CheckpointDirError", "CheckpointError", "CheckpointMismatchError",
-         "ConfigError", "EmptyInputError", "InputError", "MeshMismatchError",
-         "PlacementError", "SpecError", "UpdateMismatchError",
-         "VmemBudgetError"], "pallas_emb.errors"),
-    **dict.fromkeys(
-        ["SGD", "Adagrad", "AsyncEmbAdam", "EmbeddingOptimizer", "FTRL",
-         "LazyAdam", "OptaxRows", "RowWiseAdagrad", "SlotSpec"],
-        "pallas_emb.optimizers"),
-    **dict.fromkeys(["expected_collision_fraction", "hash64", "hash_ids"],
-                    "pallas_emb.hashing"),
-    "int32_ids": "pallas_emb.ids",
-    **dict.fromkeys(["Ragged", "Weighted", "ragged", "ragged_from_csr"],
-                    "pallas_emb.inputs"),
-    **dict.fromkeys(["FeatureSpec", "TableSpec", "default_initializer"],
-                    "pallas_emb.spec"),
-    **dict.fromkeys(
-        ["TrainConfig", "TrainState", "Trainer", "make_trainer",
-         "validate_config"], "pallas_emb.train"),
+  **dict.fromkeys(
+    [
+      "AsyncEmbContextHandle",
+      "AsyncEmbGradientUpdate",
+      "AsyncEmbOptimizer",
+      "EmbLookup",
+      "EmbOptState",
+      "empty_gradient_update",
+      "gradient_update_done",
+      "gradient_update_start",
+      "lookup_done",
+      "lookup_start",
+      "make_context_handle",
+      "make_gradient_update",
+      "supports_async_emb",
+    ],
+    "pallas_emb.async_emb",
+  ),
+  "Capacities": "pallas_emb.capacity",
+  "ShardedEmbedding": "pallas_emb.embedding",
+  **dict.fromkeys(["TableMetrics", "TableResiduals", "TableState"], "pallas_emb.state"),
+  **dict.fromkeys(
+    [
+      "AsyncEmbStateError",
+      "BackendError",
+      "CheckpointCorruptError",
+      "CheckpointDirError",
+      "CheckpointError",
+      "CheckpointMismatchError",
+      "ConfigError",
+      "EmptyInputError",
+      "InputError",
+      "MeshMismatchError",
+      "PlacementError",
+      "SpecError",
+      "UpdateMismatchError",
+      "VmemBudgetError",
+    ],
+    "pallas_emb.errors",
+  ),
+  **dict.fromkeys(
+    [
+      "SGD",
+      "Adagrad",
+      "AsyncEmbAdam",
+      "EmbeddingOptimizer",
+      "FTRL",
+      "LazyAdam",
+      "OptaxRows",
+      "RowWiseAdagrad",
+      "SlotSpec",
+    ],
+    "pallas_emb.optimizers",
+  ),
+  **dict.fromkeys(["expected_collision_fraction", "hash64", "hash_ids"], "pallas_emb.hashing"),
+  "int32_ids": "pallas_emb.ids",
+  **dict.fromkeys(["Ragged", "Weighted", "ragged", "ragged_from_csr"], "pallas_emb.inputs"),
+  **dict.fromkeys(["FeatureSpec", "TableSpec", "default_initializer"], "pallas_emb.spec"),
+  **dict.fromkeys(
+    ["TrainConfig", "TrainState", "Trainer", "make_trainer", "validate_config"], "pallas_emb.train"
+  ),
 }
 
 __all__ = sorted(_EXPORTS)
@@ -65,25 +96,52 @@ def __dir__():
 
 if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
   from pallas_emb.async_emb import (
-      AsyncEmbContextHandle, AsyncEmbGradientUpdate, AsyncEmbOptimizer,
-      EmbLookup, EmbOptState, empty_gradient_update, gradient_update_done,
-      gradient_update_start, lookup_done, lookup_start, make_context_handle,
-      make_gradient_update, supports_async_emb)
+    AsyncEmbContextHandle,
+    AsyncEmbGradientUpdate,
+    AsyncEmbOptimizer,
+    EmbLookup,
+    EmbOptState,
+    empty_gradient_update,
+    gradient_update_done,
+    gradient_update_start,
+    lookup_done,
+    lookup_start,
+    make_context_handle,
+    make_gradient_update,
+    supports_async_emb,
+  )
   from pallas_emb.capacity import Capacities
   from pallas_emb.embedding import ShardedEmbedding
   from pallas_emb.errors import (
-      AsyncEmbStateError, BackendError, CheckpointCorruptError,
-      CheckpointDirError, CheckpointError, CheckpointMismatchError,
-      ConfigError, EmptyInputError, InputError, MeshMismatchError,
-      PlacementError, SpecError, UpdateMismatchError,
-      VmemBudgetError)
-  from pallas_emb.optimizers import (
-      FTRL, SGD, Adagrad, AsyncEmbAdam, EmbeddingOptimizer, LazyAdam,
-      OptaxRows, RowWiseAdagrad, SlotSpec)
+    AsyncEmbStateError,
+    BackendError,
+    CheckpointCorruptError,
+    CheckpointDirError,
+    CheckpointError,
+    CheckpointMismatchError,
+    ConfigError,
+    EmptyInputError,
+    InputError,
+    MeshMismatchError,
+    PlacementError,
+    SpecError,
+    UpdateMismatchError,
+    VmemBudgetError,
+  )
   from pallas_emb.hashing import expected_collision_fraction, hash64, hash_ids
   from pallas_emb.ids import int32_ids
   from pallas_emb.inputs import Ragged, Weighted, ragged, ragged_from_csr
+  from pallas_emb.optimizers import (
+    FTRL,
+    SGD,
+    Adagrad,
+    AsyncEmbAdam,
+    EmbeddingOptimizer,
+    LazyAdam,
+    OptaxRows,
+    RowWiseAdagrad,
+    SlotSpec,
+  )
   from pallas_emb.spec import FeatureSpec, TableSpec, default_initializer
   from pallas_emb.state import TableMetrics, TableResiduals, TableState
-  from pallas_emb.train import (
-      TrainConfig, TrainState, Trainer, make_trainer, validate_config)
+  from pallas_emb.train import TrainConfig, Trainer, TrainState, make_trainer, validate_config

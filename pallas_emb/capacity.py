@@ -46,9 +46,9 @@ class Capacities:
   owner: int
 
   @classmethod
-  def for_table(cls, spec: TableSpec, layout: RowLayout,
-                tokens_per_shard: int,
-                unique: int | None = None) -> "Capacities":
+  def for_table(
+    cls, spec: TableSpec, layout: RowLayout, tokens_per_shard: int, unique: int | None = None
+  ) -> Capacities:
     """Capacities from the spec; None fields become the defaults above.
 
     Args:
@@ -60,14 +60,12 @@ class Capacities:
         `num_unique`).
     """
     rps, shards = layout.rows_per_shard, layout.num_shards
-    unique = min(unique or spec.unique_capacity or tokens_per_shard,
-                 spec.num_rows)
+    unique = min(unique or spec.unique_capacity or tokens_per_shard, spec.num_rows)
     unique = round_up(max(unique, 1), ROW_ALIGNMENT)
     route = spec.route_capacity
     if route is None:
       even = shards > 1 and layout.kind == "mod"
-      route = (int(ROUTE_HEADROOM * unique / shards) + ROUTE_SLACK if even
-               else unique)
+      route = int(ROUTE_HEADROOM * unique / shards) + ROUTE_SLACK if even else unique
     route = round_up(min(route, unique, rps), ROW_ALIGNMENT)
     owner = min(shards * route, rps)
     return cls(unique=unique, route=route, owner=owner)

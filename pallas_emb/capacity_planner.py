@@ -16,7 +16,7 @@ step reports the maxima it saw, so a run shows how close it is to overflow.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
@@ -50,14 +50,16 @@ class PlannedCapacity:
 
 
 def _with_headroom(observed: int, headroom: float, slack: int) -> int:
-  return round_up(max(int(np.ceil(observed * headroom)) + slack, 1),
-                  ROW_ALIGNMENT)
+  return round_up(max(int(np.ceil(observed * headroom)) + slack, 1), ROW_ALIGNMENT)
 
 
-def plan_capacities(emb: ShardedEmbedding,
-                    batches: Iterable[Mapping[str, np.ndarray]], *,
-                    headroom: float = 1.2,
-                    slack: int = 8) -> dict[str, PlannedCapacity]:
+def plan_capacities(
+  emb: ShardedEmbedding,
+  batches: Iterable[Mapping[str, np.ndarray]],
+  *,
+  headroom: float = 1.2,
+  slack: int = 8,
+) -> dict[str, PlannedCapacity]:
   """Measures a sample of batches and returns per-table capacities.
 
   Args:
@@ -78,9 +80,13 @@ def plan_capacities(emb: ShardedEmbedding,
   check_int(slack, "slack", minimum=0, error=InputError)
   # Measured per table, stacked or not (a stack's capacities are the sums
   # of its members', see `pallas_emb.stacking`).
-  exact = dataclasses.replace(emb, stacking="off", tables=tuple(
-      dataclasses.replace(t, unique_capacity=None, route_capacity=_UNLIMITED)
-      for t in emb.tables))
+  exact = dataclasses.replace(
+    emb,
+    stacking="off",
+    tables=tuple(
+      dataclasses.replace(t, unique_capacity=None, route_capacity=_UNLIMITED) for t in emb.tables
+    ),
+  )
   seen: dict[str, list[int]] = {}
   tokens: dict[str, int] = {}
   count = 0
@@ -89,32 +95,48 @@ def plan_capacities(emb: ShardedEmbedding,
     for name, n in exact.check_ids(ids).items():
       tokens[name] = max(tokens.get(name, 0), n)
     for name, res in exact.plan(ids).items():
-      observed = [int(np.max(np.asarray(x))) for x in (
-          res.num_unique, res.plan.route_demand, res.plan.owner_demand)]
+      observed = [
+        int(np.max(np.asarray(x)))
+        for x in (res.num_unique, res.plan.route_demand, res.plan.owner_demand)
+      ]
       seen[name] = [max(a, b) for a, b in zip(seen.get(name, observed), observed)]
   if not count:
     raise InputError("plan_capacities needs at least one batch to measure.")
   planned = {}
   for name, (u, r, o) in seen.items():
     # Never more than exact: a shard has no more distinct ids than ids.
-    unique = min(_with_headroom(u, headroom, slack),
-                 round_up(tokens[name], ROW_ALIGNMENT))
+    unique = min(_with_headroom(u, headroom, slack), round_up(tokens[name], ROW_ALIGNMENT))
     planned[name] = PlannedCapacity(
-        max_unique_per_shard=u, max_ids_per_route=r, max_rows_per_owner=o,
-        unique_capacity=unique,
-        route_capacity=min(_with_headroom(r, headroom, slack), unique),
-        batches=count)
+      max_unique_per_shard=u,
+      max_ids_per_route=r,
+      max_rows_per_owner=o,
+      unique_capacity=unique,
+      route_capacity=min(_with_headroom(r, headroom, slack), unique),
+      batches=count,
+    )
   return planned
 
 
-def with_capacities(emb: ShardedEmbedding,
-                    planned: Mapping[str, PlannedCapacity]) -> ShardedEmbedding:
+def with_capacities(
+  emb: ShardedEmbedding, planned: Mapping[str, PlannedCapacity]
+) -> ShardedEmbedding:
   """`emb` with the planned capacities set on its tables' specs."""
   unknown = sorted(set(planned) - {t.name for t in emb.tables})
   if unknown:
-    raise InputError(f"planned capacities for unknown tables {unknown}; the "
-                     f"tables are {[t.name for t in emb.tables]}.")
-  return dataclasses.replace(emb, tables=tuple(
-      dataclasses.replace(t, unique_capacity=planned[t.name].unique_capacity,
-                          route_capacity=planned[t.name].route_capacity)
-      if t.name in planned else t for t in emb.tables))
+    raise InputError(
+      f"planned capacities for unknown tables {unknown}; the "
+      f"tables are {[t.name for t in emb.tables]}."
+    )
+  return dataclasses.replace(
+    emb,
+    tables=tuple(
+      dataclasses.replace(
+        t,
+        unique_capacity=planned[t.name].unique_capacity,
+        route_capacity=planned[t.name].route_capacity,
+      )
+      if t.name in planned
+      else t
+      for t in emb.tables
+    ),
+  )

@@ -19,27 +19,26 @@ validate (`validate`) and call one jitted program per table (`programs`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from pallas_emb import kernels, pooling, programs, stacking as stacking_lib
-from pallas_emb import state as state_lib, validate
-from pallas_emb.ids import int32_ids
+from pallas_emb import kernels, pooling, programs, validate
+from pallas_emb import state as state_lib
 from pallas_emb.capacity import Capacities
-from pallas_emb.errors import InputError, SpecError
-from pallas_emb.shard_ops import ShardedTable
+from pallas_emb.errors import InputError
+from pallas_emb.ids import int32_ids
+from pallas_emb.sharded_table import ShardedTable
 from pallas_emb.spec import FeatureSpec, TableSpec, check_max_norm
+from pallas_emb.stacking import plan as stacking_plan
+from pallas_emb.stacking import state as stacking_state
 from pallas_emb.state import TableMetrics, TableResiduals, TableState
 from sharding.layout import RowLayout
-
-
-def _unique_names(kind: str, names: Sequence[str]) -> None:
-  if len(set(names)) != len(names):
-    raise SpecError(f"{kind} names must be unique, got {list(names)}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +56,12 @@ class ShardedEmbedding:
     stacking: "auto" (default: tables of equal dim, dtype, optimizer,
       initializer and layout are stored and updated as one, see
       `pallas_emb.stacking`), "off", or a dict group name -> table names.
-      The state dict is keyed by physical table (`table_names`: a stacked
+      The state dict is keyed by *physical* table (`table_names`: a stacked
       group's name, or the table's own); ids, activations, metrics,
-      `logical_table` and checkpoints stay per table.
+      `logical_table` and checkpoints stay per *logical* table (a
+      `TableSpec.name`). Methods say which namespace they take: `table_spec`,
+      `layout`, `features_of` and `table_sharding` take a physical name,
+      the `logical_*` methods and `group_of` a logical one.
     replicate_below: tables of `placement="auto"` with fewer rows are
       stored whole on every device and updated without all_to_all (see
       `pallas_emb.replicated_ops`); 0 (default): none unless their spec
@@ -77,32 +79,22 @@ class ShardedEmbedding:
   def __post_init__(self):
     object.__setattr__(self, "tables", tuple(self.tables))
     object.__setattr__(self, "features", tuple(self.features))
-    for kind, items, cls in (("tables", self.tables, TableSpec),
-                             ("features", self.features, FeatureSpec)):
-      for x in items:
-        if not isinstance(x, cls):
-          raise SpecError(f"{kind} must be {cls.__name__}s, got {x!r}.")
-    names = [t.name for t in self.tables]
-    _unique_names("table", names)
-    _unique_names("feature", [f.name for f in self.features])
-    for f in self.features:
-      if f.table not in names:
-        raise SpecError(
-            f"feature {f.name!r} reads table {f.table!r}, which is not among "
-            f"the tables {names}; add a TableSpec named {f.table!r}.")
-    if not isinstance(self.mesh, Mesh):
-      raise SpecError(f"mesh must be a jax.sharding.Mesh, got {self.mesh!r}.")
-    if self.axis not in self.mesh.axis_names:
-      raise SpecError(
-          f"axis {self.axis!r} is not an axis of the mesh, whose axes are "
-          f"{self.mesh.axis_names}; pass one of them as axis=.")
-    object.__setattr__(self, "backend", kernels.resolve_backend(
-        self.backend, self.mesh.devices.flat))
-    object.__setattr__(self, "stacking", stacking_lib.normalize(self.stacking))
+    validate.check_embedding(self.tables, self.features, self.mesh, self.axis)
+    object.__setattr__(
+      self, "backend", kernels.resolve_backend(self.backend, self.mesh.devices.flat)
+    )
+    object.__setattr__(self, "stacking", stacking_plan.normalize(self.stacking))
     # Derived, not a field: equality and hashing stay those of the fields.
-    object.__setattr__(self, "_groups", {g.name: g for g in stacking_lib.plan_groups(
-        self.tables, self.features, self.num_shards, self.stacking,
-        self.replicate_below)})
+    object.__setattr__(
+      self,
+      "_groups",
+      {
+        g.name: g
+        for g in stacking_plan.plan_groups(
+          self.tables, self.features, self.num_shards, self.stacking, self.replicate_below
+        )
+      },
+    )
 
   # -- static helpers ---------------------------------------------------------
 
@@ -111,7 +103,7 @@ class ShardedEmbedding:
     return self.mesh.shape[self.axis]
 
   @property
-  def groups(self) -> tuple[stacking_lib.Group, ...]:
+  def groups(self) -> tuple[stacking_plan.Group, ...]:
     """The physical tables (see `pallas_emb.stacking`)."""
     return tuple(self._groups.values())
 
@@ -120,96 +112,91 @@ class ShardedEmbedding:
     """The keys of the state dict: one per physical table."""
     return tuple(self._groups)
 
-  def group_of(self, table: str) -> stacking_lib.Group:
+  def _group(self, name: str) -> stacking_plan.Group:
+    """The group of physical table `name`, or an error that says which
+    namespace a logical name belongs to."""
+    group = self._groups.get(name)
+    if group is not None:
+      return group
+    stored_in = stacking_plan.group_of(self.groups, name).name  # unknown: raises
+    raise InputError(
+      f"{name!r} is a logical table stored in the stacked table {stored_in!r}; this "
+      f"method takes a physical table (one of {list(self._groups)}): pass {stored_in!r}, "
+      "or use the logical_* methods for one table."
+    )
+
+  def group_of(self, table: str) -> stacking_plan.Group:
     """The group that stores logical table `table`."""
-    for g in self.groups:
-      if any(t.name == table for t in g.tables):
-        return g
-    raise InputError(f"unknown table {table!r}; the tables are "
-                     f"{[t.name for t in self.tables]}.")
+    return stacking_plan.group_of(self.groups, table)
 
   def table_spec(self, name: str) -> TableSpec:
-    """The spec of a physical table (a group name) or a logical one."""
-    if name in self._groups:
-      return self._groups[name].spec
-    for t in self.tables:
-      if t.name == name:
-        return t
-    raise InputError(f"unknown table {name!r}; the tables are "
-                     f"{[t.name for t in self.tables]}.")
+    """The spec of physical table `name` (a key of the state dict)."""
+    return self._group(name).spec
+
+  def logical_spec(self, table: str) -> TableSpec:
+    """The spec of logical table `table` (a `TableSpec.name`)."""
+    g = self.group_of(table)
+    return g.tables[[t.name for t in g.tables].index(table)]
 
   def layout(self, name: str) -> RowLayout:
-    """Where a physical table's rows live (one shard if replicated), or a
-    logical table's if it were stored alone."""
-    if name in self._groups:
-      return self._groups[name].layout(self.num_shards)
-    spec = self.table_spec(name)
-    return RowLayout(spec.num_rows, self.num_shards, spec.layout)
+    """Where physical table `name`'s rows live (one shard if replicated)."""
+    return self._group(name).layout(self.num_shards)
 
-  def logical_layout(self, name: str) -> RowLayout:
-    """Where logical table `name`'s rows would live stored alone and
+  def logical_layout(self, table: str) -> RowLayout:
+    """Where logical table `table`'s rows would live stored alone and
     sharded (the layout of `member_states` and of checkpoints)."""
-    spec = self.group_of(name).tables[
-        [t.name for t in self.group_of(name).tables].index(name)]
+    spec = self.logical_spec(table)
     return RowLayout(spec.num_rows, self.num_shards, spec.layout)
 
   def table_sharding(self, name: str) -> NamedSharding:
     """Where a physical table's state lives: row-sharded or replicated."""
-    return self.sharding(rows=not self._groups[name].replicated)
+    return self.sharding(rows=not self._group(name).replicated)
 
-  def features_of(self, table: str) -> tuple[FeatureSpec, ...]:
-    """The features of a physical table (in token order) or a logical one."""
-    if table in self._groups:
-      return self._groups[table].features
+  def features_of(self, name: str) -> tuple[FeatureSpec, ...]:
+    """The features of physical table `name`, in its token order (of a
+    stack: with `table` set to the stack's name)."""
+    return self._group(name).features
+
+  def logical_features(self, table: str) -> tuple[FeatureSpec, ...]:
+    """The features that read logical table `table`."""
+    self.group_of(table)  # an unknown table raises
     return tuple(f for f in self.features if f.table == table)
 
   @property
   def physical_features(self) -> tuple[FeatureSpec, ...]:
     return tuple(f for g in self.groups for f in g.features)
 
-  def unstacked(self) -> "ShardedEmbedding":
+  def unstacked(self) -> ShardedEmbedding:
     """The same tables with stacking off."""
     return dataclasses.replace(self, stacking="off")
 
   def metrics_by_table(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
     """Physical table -> metrics (pytrees of (M,) arrays for a stack) ->
     logical table -> metrics."""
-    out = {}
-    for name, m in metrics.items():
-      g = self._groups[name]
-      if g.members is None:
-        out[name] = m
-      else:
-        out.update((t.name, jax.tree.map(lambda x, i=i: x[i], m))
-                   for i, t in enumerate(g.tables))
-    return out
+    return stacking_plan.metrics_by_table(self.groups, metrics)
 
-  def member_states(self, tables: Mapping[str, TableState]
-                    ) -> dict[str, TableState]:
+  def member_states(self, tables: Mapping[str, TableState]) -> dict[str, TableState]:
     """Logical table -> its state as if stored alone (stacking off)."""
-    out = {}
-    for name, ts in tables.items():
-      out.update(stacking_lib.member_states(self._groups[name],
-                                            self.num_shards, self.sharding(), ts))
-    return out
+    return stacking_state.member_states(self.groups, self.num_shards, self.sharding(), tables)
 
-  def from_member_states(self, states: Mapping[str, TableState]
-                         ) -> dict[str, TableState]:
+  def from_member_states(self, states: Mapping[str, TableState]) -> dict[str, TableState]:
     """The inverse of `member_states`: logical -> physical states."""
-    return {g.name: stacking_lib.group_state(g, self.num_shards,
-                                             self.table_sharding(g.name), states)
-            for g in self.groups}
+    return {
+      g.name: stacking_state.group_state(g, self.num_shards, self.table_sharding(g.name), states)
+      for g in self.groups
+    }
 
-  def sharded_table(self, name: str, tokens_per_shard: int,
-                    unique_capacity: int | None = None) -> ShardedTable:
-    """Table `name` as its sparse step sees it, for `tokens_per_shard` ids
-    per data shard (`unique_capacity` overrides the spec's)."""
-    spec, layout = self.table_spec(name), self.layout(name)
-    caps = Capacities.for_table(spec, layout, tokens_per_shard,
-                                unique_capacity)
-    return ShardedTable(spec, self.features_of(name), layout, caps, self.mesh,
-                        self.axis, self.backend, self._groups[name].members,
-                        self._groups[name].replicated)
+  def sharded_table(
+    self, name: str, tokens_per_shard: int, unique_capacity: int | None = None
+  ) -> ShardedTable:
+    """Physical table `name` as its sparse step sees it, for
+    `tokens_per_shard` ids per data shard (`unique_capacity` overrides the
+    spec's)."""
+    g, layout = self._group(name), self.layout(name)
+    caps = Capacities.for_table(g.spec, layout, tokens_per_shard, unique_capacity)
+    return ShardedTable(
+      g.spec, g.features, layout, caps, self.mesh, self.axis, self.backend, g.members, g.replicated
+    )
 
   def sharding(self, *, rows: bool = True) -> NamedSharding:
     """Row-sharded (or replicated) placement on the mesh."""
@@ -218,20 +205,16 @@ class ShardedEmbedding:
   def check_ids(self, ids: Mapping[str, jax.Array]) -> dict[str, int]:
     """Validates the ids of every feature and where they live; returns
     tokens per shard by table."""
-    tokens = validate.check_ids(self.physical_features, ids, self.num_shards,
-                                self.axis)
+    tokens = validate.check_ids(self.physical_features, ids, self.num_shards, self.axis)
     validate.check_placement(ids, self.mesh)
     return tokens
 
-  def check_tables(self, tables: Mapping[str, TableState], names, *,
-                   slots: bool = True) -> None:
+  def check_tables(self, tables: Mapping[str, TableState], names, *, slots: bool = True) -> None:
     """Validates that `tables[name]` for each name fits its spec and mesh."""
-    validate.check_tables(tables, names, self.table_spec, self.layout,
-                          slots=slots, mesh=self.mesh)
+    validate.check_tables(tables, names, self.table_spec, self.layout, slots=slots, mesh=self.mesh)
 
   def _tables_of(self, ids) -> dict[str, ShardedTable]:
-    return {name: self.sharded_table(name, n)
-            for name, n in self.check_ids(ids).items()}
+    return {name: self.sharded_table(name, n) for name, n in self.check_ids(ids).items()}
 
   def _feature_args(self, name: str, per_feature: Mapping) -> tuple:
     return tuple(per_feature[f.name] for f in self.features_of(name))
@@ -251,13 +234,12 @@ class ShardedEmbedding:
     out = {}
     for g in self.groups:
       keys = [jax.random.fold_in(key, i) for i in g.indices]
-      out[g.name] = programs.init(self.sharded_table(g.name, 1),
-                                  keys[0] if g.members is None
-                                  else jnp.stack(keys))
+      out[g.name] = programs.init(
+        self.sharded_table(g.name, 1), keys[0] if g.members is None else jnp.stack(keys)
+      )
     return out
 
-  def state_from_logical(self, name: str, table, slots=None,
-                         step=0) -> TableState:
+  def state_from_logical(self, name: str, table, slots=None, step=0) -> TableState:
     """Builds a `TableState` from host arrays in logical row order.
 
     Args:
@@ -268,38 +250,44 @@ class ShardedEmbedding:
     """
     if name not in self._groups:
       raise InputError(
-          f"table {name!r} is stacked in {self.group_of(name).name!r}; build "
-          "per-table states with emb.unstacked().state_from_logical and "
-          "stack them with emb.from_member_states.")
+        f"table {name!r} is stacked in {self.group_of(name).name!r}; build "
+        "per-table states with emb.unstacked().state_from_logical and "
+        "stack them with emb.from_member_states."
+      )
     spec = self.table_spec(name)
     table, slots = validate.check_logical(spec, table, slots)
     return state_lib.state_from_logical(
-        spec, self.layout(name), self.table_sharding(name),
-        self.sharding(rows=False),
-        table, slots, step)
+      spec,
+      self.layout(name),
+      self.table_sharding(name),
+      self.sharding(rows=False),
+      table,
+      slots,
+      step,
+    )
 
-  def logical_table(self, tables: Mapping[str, TableState], name: str) -> np.ndarray:
-    """(num_rows, dim) host copy of a table in logical row order, of the
-    table's dtype. With several processes every process gets it whole."""
-    return state_lib.logical_table(self.table_spec(name), self.layout(name),
-                                   self._member_state(tables, name))
+  def logical_table(self, tables: Mapping[str, TableState], table: str) -> np.ndarray:
+    """(num_rows, dim) host copy of logical table `table` in logical row
+    order, of the table's dtype. With several processes every process gets
+    it whole."""
+    return state_lib.logical_table(
+      self.logical_spec(table), self.logical_layout(table), self._member_state(tables, table)
+    )
 
-  def logical_slots(self, tables: Mapping[str, TableState], name: str) -> dict[str, np.ndarray]:
-    """Slot name -> (num_rows, width) host copy in logical row order."""
-    return state_lib.logical_slots(self.table_spec(name), self.layout(name),
-                                   self._member_state(tables, name))
+  def logical_slots(self, tables: Mapping[str, TableState], table: str) -> dict[str, np.ndarray]:
+    """Slot name -> (num_rows, width) host copy of logical table `table`'s
+    slots in logical row order."""
+    return state_lib.logical_slots(
+      self.logical_spec(table), self.logical_layout(table), self._member_state(tables, table)
+    )
 
-  def _member_state(self, tables, name: str) -> TableState:
-    if name in self._groups:
-      return tables[name]
-    g = self.group_of(name)
-    return stacking_lib.member_states(g, self.num_shards, self.sharding(),
-                                      tables[g.name])[name]
+  def _member_state(self, tables, table: str) -> TableState:
+    g = self.group_of(table)
+    return stacking_state.member_state(g, self.num_shards, self.sharding(), tables[g.name], table)
 
   # -- the step ---------------------------------------------------------------
 
-  def lookup(self, tables: Mapping[str, TableState],
-             ids: Mapping[str, jax.Array]):
+  def lookup(self, tables: Mapping[str, TableState], ids: Mapping[str, jax.Array]):
     """Embeddings of every feature.
 
     Args:
@@ -317,8 +305,7 @@ class ShardedEmbedding:
     ids = int32_ids(ids)  # on the host for NumPy ids: before jit can wrap
     acts, residuals = {}, {}
     for name, t in shards.items():
-      outs, residuals[name] = programs.lookup(
-          t, tables[name].table, self._feature_args(name, ids))
+      outs, residuals[name] = programs.lookup(t, tables[name].table, self._feature_args(name, ids))
       acts.update(zip((f.name for f in t.features), outs))
     return acts, residuals
 
@@ -337,13 +324,17 @@ class ShardedEmbedding:
     """
     shards = self._tables_of(ids)
     ids = int32_ids(ids)
-    return {name: programs.plan(t, self._feature_args(name, ids))
-            for name, t in shards.items()}
+    return {name: programs.plan(t, self._feature_args(name, ids)) for name, t in shards.items()}
 
-  def apply_gradients(self, tables: Mapping[str, TableState],
-                      residuals: Mapping[str, TableResiduals],
-                      grads: Mapping[str, jax.Array], gate=True, *,
-                      max_global_norm: float | None = None):
+  def apply_gradients(
+    self,
+    tables: Mapping[str, TableState],
+    residuals: Mapping[str, TableResiduals],
+    grads: Mapping[str, jax.Array],
+    gate=True,
+    *,
+    max_global_norm: float | None = None,
+  ):
     """Sparse, fused optimizer update of every looked-up table, in place.
 
     `tables` is donated: its buffers are reused for the result.
@@ -373,22 +364,27 @@ class ShardedEmbedding:
     for name, res in residuals.items():
       spec, feats = self.table_spec(name), self.features_of(name)
       validate.check_feature_grads(
-          name, feats, grads,
-          [pooling.output_shape(f.combiner, w, spec.dim)
-           for f, w in zip(feats, res.weights)])
-      shards[name] = self.sharded_table(
-          name, res.plan.token_slot.shape[0] // self.num_shards)
+        name,
+        feats,
+        grads,
+        [pooling.output_shape(f.combiner, w, spec.dim) for f, w in zip(feats, res.weights)],
+      )
+      shards[name] = self.sharded_table(name, res.plan.token_slot.shape[0] // self.num_shards)
     clip = None
     if max_global_norm is not None:
-      clip = (jnp.float32(max_global_norm), programs.global_grad_norm(
-          tuple(shards.values()), tuple(residuals[n] for n in shards),
-          tuple(self._feature_args(n, grads) for n in shards)))
+      clip = (
+        jnp.float32(max_global_norm),
+        programs.global_grad_norm(
+          tuple(shards.values()),
+          tuple(residuals[n] for n in shards),
+          tuple(self._feature_args(n, grads) for n in shards),
+        ),
+      )
     for name, t in shards.items():
       tables[name], metrics[name] = programs.apply_gradients(
-          t, tables[name], residuals[name], self._feature_args(name, grads),
-          gate, clip)
+        t, tables[name], residuals[name], self._feature_args(name, grads), gate, clip
+      )
     return tables, self.metrics_by_table(metrics)
 
 
-__all__ = ["Capacities", "ShardedEmbedding", "TableMetrics", "TableResiduals",
-           "TableState"]
+__all__ = ["Capacities", "ShardedEmbedding", "TableMetrics", "TableResiduals", "TableState"]

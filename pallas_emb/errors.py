@@ -70,8 +70,15 @@ class CheckpointDirError(OSError):
   and on every save)."""
 
 
-def check_int(value, name: str, *, minimum: int = 1, error: type = ValueError,
-              optional: bool = False, fix: str = "") -> int | None:
+def check_int(
+  value,
+  name: str,
+  *,
+  minimum: int = 1,
+  error: type = ValueError,
+  optional: bool = False,
+  fix: str = "",
+) -> int | None:
   """`value` as an int, if it is an integer (not a bool) >= `minimum`.
 
   The one check of a count, size or capacity: every module calls it with its
@@ -89,8 +96,9 @@ def check_int(value, name: str, *, minimum: int = 1, error: type = ValueError,
   alternative = " or None" if optional else ""
   fix = f" {fix}" if fix else ""
   if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-    raise error(f"{name} must be an int{alternative}, got {value!r} of type "
-                f"{type(value).__name__}.{fix}")
+    raise error(
+      f"{name} must be an int{alternative}, got {value!r} of type {type(value).__name__}.{fix}"
+    )
   if value < minimum:
     bound = "a positive int" if minimum == 1 else f"an int >= {minimum}"
     raise error(f"{name} must be {bound}{alternative}, got {value!r}.{fix}")

@@ -61,8 +61,7 @@ def _fnv1a(strings: list[bytes]) -> np.ndarray:
   lens = np.fromiter(map(len, strings), np.int64, len(strings))
   width = int(lens.max(initial=0))
   data = np.zeros((len(strings), width), np.uint8)
-  data[np.arange(width) < lens[:, None]] = np.frombuffer(b"".join(strings),
-                                                         np.uint8)
+  data[np.arange(width) < lens[:, None]] = np.frombuffer(b"".join(strings), np.uint8)
   h = np.full(len(strings), _FNV_BASIS)
   for j in range(width):
     h = np.where(lens > j, (h ^ data[:, j].astype(np.uint64)) * _FNV_PRIME, h)
@@ -75,8 +74,9 @@ def _as_bytes(value) -> bytes:
   if isinstance(value, str):
     return value.encode("utf-8")
   raise InputError(
-      f"raw id {value!r} of type {type(value).__name__} is neither an "
-      "integer nor a str/bytes; hash one kind of id per array.")
+    f"raw id {value!r} of type {type(value).__name__} is neither an "
+    "integer nor a str/bytes; hash one kind of id per array."
+  )
 
 
 def _keys(raw: np.ndarray) -> np.ndarray:
@@ -87,18 +87,19 @@ def _keys(raw: np.ndarray) -> np.ndarray:
     return _fnv1a([_as_bytes(v) for v in raw.tolist()])
   if raw.dtype == object:
     values = raw.tolist()
-    if all(isinstance(v, numbers.Integral) and not isinstance(v, bool)
-           for v in values):
-      wide = [v for v in values if not -2**63 <= v < 2**64]
+    if all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values):
+      wide = [v for v in values if not -(2**63) <= v < 2**64]
       if wide:
         raise InputError(
-            f"raw id {wide[0]} does not fit 64 bits; hash it as a string "
-            "(str(id)) so that it is not truncated.")
+          f"raw id {wide[0]} does not fit 64 bits; hash it as a string "
+          "(str(id)) so that it is not truncated."
+        )
       return np.array([int(v) % 2**64 for v in values], np.uint64)
     return _fnv1a([_as_bytes(v) for v in values])
   raise InputError(
-      f"raw ids must be integers, str or bytes, got an array of {raw.dtype}; "
-      "hash float or bool features after mapping them to integers or strings.")
+    f"raw ids must be integers, str or bytes, got an array of {raw.dtype}; "
+    "hash float or bool features after mapping them to integers or strings."
+  )
 
 
 def hash64(raw: Any, *, seed: int = 0) -> np.ndarray:
@@ -122,8 +123,7 @@ def hash64(raw: Any, *, seed: int = 0) -> np.ndarray:
     return _mix(_keys(raw.reshape(-1)), seed).reshape(raw.shape)
 
 
-def hash_ids(raw: Any, num_rows: int, *, seed: int = 0, pad: Any = None
-             ) -> np.ndarray:
+def hash_ids(raw: Any, num_rows: int, *, seed: int = 0, pad: Any = None) -> np.ndarray:
   """Raw ids -> int32 row ids in [0, num_rows), padding kept as -1.
 
   Use it on a feature's raw ids before the lookup (or the `Trainer`), e.g.
@@ -143,8 +143,7 @@ def hash_ids(raw: Any, num_rows: int, *, seed: int = 0, pad: Any = None
   """
   check_int(num_rows, "num_rows", error=InputError)
   if num_rows > _MAX_ROWS:
-    raise InputError(f"num_rows must be < 2**31 (rows are int32 ids), got "
-                     f"{num_rows}.")
+    raise InputError(f"num_rows must be < 2**31 (rows are int32 ids), got {num_rows}.")
   raw = np.asarray(raw)
   padding = np.zeros(raw.shape, bool)
   if raw.dtype == object:
@@ -153,8 +152,7 @@ def hash_ids(raw: Any, num_rows: int, *, seed: int = 0, pad: Any = None
     padding |= np.broadcast_to(np.asarray(raw == pad, bool), raw.shape)
   rows = np.full(raw.shape, -1, np.int32)
   if (~padding).any():
-    rows[~padding] = (hash64(raw[~padding], seed=seed)
-                      % np.uint64(num_rows)).astype(np.int32)
+    rows[~padding] = (hash64(raw[~padding], seed=seed) % np.uint64(num_rows)).astype(np.int32)
   return rows
 
 

@@ -19,7 +19,8 @@ wrapped by JAX before any of this code sees them: convert them with
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,7 @@ from pallas_emb.inputs import Ragged, Weighted
 # Out of every table's range and not the padding id -1.
 INVALID_ID = -2
 
-_LO, _HI = -2**31, 2**31 - 1
+_LO, _HI = -(2**31), 2**31 - 1
 
 
 def _in_range(x, dtype: np.dtype):

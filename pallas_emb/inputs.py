@@ -22,7 +22,8 @@ per-shard budget, not a padding of every bag to the longest one.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -54,7 +55,7 @@ class Ragged(NamedTuple):
 
   ids: Any
   lengths: Any
-  weights: Optional[Any] = None
+  weights: Any | None = None
 
 
 def ids_of(x: Any) -> Any:
@@ -76,33 +77,38 @@ def token_shape(x: Any) -> tuple[int, int]:
   return tuple(int(v) for v in np.shape(ids))
 
 
-def _pack(bags: Sequence[np.ndarray], weights, num_shards: int,
-          capacity: int, dtype) -> Ragged:
+def _pack(bags: Sequence[np.ndarray], weights, num_shards: int, capacity: int, dtype) -> Ragged:
   check_int(num_shards, "num_shards", error=InputError)
-  check_int(capacity, "capacity", error=InputError,
-            fix="pass the ids one data shard may hold per step.")
+  check_int(
+    capacity, "capacity", error=InputError, fix="pass the ids one data shard may hold per step."
+  )
   if len(bags) == 0 or len(bags) % num_shards:
     raise InputError(
-        f"ragged input has {len(bags)} bags; it needs a positive multiple of "
-        f"num_shards={num_shards} (every data shard gets B/S bags).")
+      f"ragged input has {len(bags)} bags; it needs a positive multiple of "
+      f"num_shards={num_shards} (every data shard gets B/S bags)."
+    )
   per_shard = len(bags) // num_shards
   ids = np.full((num_shards * capacity,), -1, dtype)
-  w = None if weights is None else np.zeros((num_shards * capacity,),
-                                            np.float32)
+  w = None if weights is None else np.zeros((num_shards * capacity,), np.float32)
   for s in range(num_shards):
     shard = range(s * per_shard, (s + 1) * per_shard)
     flat = np.concatenate([bags[i] for i in shard]) if per_shard else []
     n = min(len(flat), capacity)
-    ids[s * capacity:s * capacity + n] = np.asarray(flat, dtype)[:n]
+    ids[s * capacity : s * capacity + n] = np.asarray(flat, dtype)[:n]
     if w is not None:
       flat_w = np.concatenate([weights[i] for i in shard])
-      w[s * capacity:s * capacity + n] = flat_w[:n]
+      w[s * capacity : s * capacity + n] = flat_w[:n]
   lengths = np.array([len(b) for b in bags], np.int32)
   return Ragged(ids, lengths, w)
 
 
-def ragged(bags: Sequence[Sequence[int]], *, num_shards: int, capacity: int,
-           weights: Optional[Sequence[Sequence[float]]] = None) -> Ragged:
+def ragged(
+  bags: Sequence[Sequence[int]],
+  *,
+  num_shards: int,
+  capacity: int,
+  weights: Sequence[Sequence[float]] | None = None,
+) -> Ragged:
   """Packs B bags (lists or 1-D arrays of ids) as a `Ragged` input.
 
   Args:
@@ -120,25 +126,26 @@ def ragged(bags: Sequence[Sequence[int]], *, num_shards: int, capacity: int,
   arrays = [np.asarray(b).reshape(-1) for b in bags]
   for i, a in enumerate(arrays):
     if a.size and not np.issubdtype(a.dtype, np.integer):
-      raise InputError(f"bag {i} holds {a.dtype} values; ids must be "
-                       "integers (hash raw ids with pallas_emb.hash_ids).")
+      raise InputError(
+        f"bag {i} holds {a.dtype} values; ids must be "
+        "integers (hash raw ids with pallas_emb.hash_ids)."
+      )
   if weights is not None:
     weights = [np.asarray(w, np.float32).reshape(-1) for w in weights]
-    bad = [i for i, (a, w) in enumerate(zip(arrays, weights))
-           if a.shape != w.shape]
+    bad = [i for i, (a, w) in enumerate(zip(arrays, weights)) if a.shape != w.shape]
     if len(weights) != len(arrays) or bad:
       raise InputError(
-          f"weights must have one float per id of every bag; bags "
-          f"{bad or 'count'} differ ({len(weights)} weight lists for "
-          f"{len(arrays)} bags).")
-  wide = any(a.size and (a.max() > 2**31 - 1 or a.min() < -2**31)
-             for a in arrays)
-  return _pack(arrays, weights, num_shards, capacity,
-               np.int64 if wide else np.int32)
+        f"weights must have one float per id of every bag; bags "
+        f"{bad or 'count'} differ ({len(weights)} weight lists for "
+        f"{len(arrays)} bags)."
+      )
+  wide = any(a.size and (a.max() > 2**31 - 1 or a.min() < -(2**31)) for a in arrays)
+  return _pack(arrays, weights, num_shards, capacity, np.int64 if wide else np.int32)
 
 
-def ragged_from_csr(values: Any, lengths: Any, *, num_shards: int,
-                    capacity: int, weights: Any = None) -> Ragged:
+def ragged_from_csr(
+  values: Any, lengths: Any, *, num_shards: int, capacity: int, weights: Any = None
+) -> Ragged:
   """`ragged` from flat ids and per-bag lengths (CSR: bag i is
   values[offsets[i]:offsets[i+1]], offsets the running sum of lengths).
 
@@ -149,16 +156,15 @@ def ragged_from_csr(values: Any, lengths: Any, *, num_shards: int,
   """
   values, lengths = np.asarray(values).reshape(-1), np.asarray(lengths)
   if lengths.ndim != 1 or not np.issubdtype(lengths.dtype, np.integer):
-    raise InputError(f"lengths must be a 1-D integer array, got "
-                     f"{lengths.dtype}{list(lengths.shape)}.")
+    raise InputError(
+      f"lengths must be a 1-D integer array, got {lengths.dtype}{list(lengths.shape)}."
+    )
   if (lengths < 0).any() or lengths.sum() != values.shape[0]:
     raise InputError(
-        f"lengths must be non-negative and sum to the {values.shape[0]} "
-        f"values; they sum to {int(lengths.sum())} (min "
-        f"{int(lengths.min(initial=0))}).")
+      f"lengths must be non-negative and sum to the {values.shape[0]} "
+      f"values; they sum to {int(lengths.sum())} (min "
+      f"{int(lengths.min(initial=0))})."
+    )
   cuts = np.cumsum(lengths)[:-1]
-  w = None if weights is None else np.split(
-      np.asarray(weights, np.float32).reshape(-1), cuts)
-  return ragged(np.split(values, cuts), num_shards=num_shards,
-                capacity=capacity, weights=w)
-
+  w = None if weights is None else np.split(np.asarray(weights, np.float32).reshape(-1), cuts)
+  return ragged(np.split(values, cuts), num_shards=num_shards, capacity=capacity, weights=w)

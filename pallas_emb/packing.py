@@ -57,8 +57,9 @@ class SlotSpec(NamedTuple):
     """Whether this slot is stored lane-dense in groups of 128 rows."""
     return self.width == 1 and rows_per_shard % SLOT_GROUP == 0
 
-  def shape_for(self, num_rows: int, dim: int,
-                rows_per_shard: int | None = None) -> tuple[int, int]:
+  def shape_for(
+    self, num_rows: int, dim: int, rows_per_shard: int | None = None
+  ) -> tuple[int, int]:
     """The stored shape of this slot for `num_rows` rows of width `dim`.
 
     Args:

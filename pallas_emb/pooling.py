@@ -19,7 +19,7 @@ other forms.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,12 +38,11 @@ class BagWeights(NamedTuple):
   """
 
   weights: jax.Array
-  bags: Optional[jax.Array] = None
-  lengths: Optional[jax.Array] = None
+  bags: jax.Array | None = None
+  lengths: jax.Array | None = None
 
 
-def ragged_bags(lengths: jax.Array, capacity: int
-                ) -> tuple[jax.Array, jax.Array]:
+def ragged_bags(lengths: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
   """(b,) bag lengths -> ((C,) bag of each id slot, () ids dropped).
 
   Slot p belongs to the bag whose running length first exceeds p; slots
@@ -76,8 +75,7 @@ def _normalize(w, combiner, bag_sum, to_tokens):
     return jnp.where(norm != 0, w / jnp.where(norm != 0, norm, 1.0), 0.0)
   if combiner == "sqrtn":
     sq = to_tokens(bag_sum(w * w))
-    return jnp.where(sq > 0, w * jax.lax.rsqrt(jnp.where(sq > 0, sq, 1.0)),
-                     0.0)
+    return jnp.where(sq > 0, w * jax.lax.rsqrt(jnp.where(sq > 0, sq, 1.0)), 0.0)
   return w
 
 
@@ -96,21 +94,17 @@ def pool(x: Any, rows: jax.Array, has_row: jax.Array, combiner):
   """
   w = has_row.astype(jnp.float32)
   if isinstance(x, Ragged):
-    w = w[:, 0] if x.weights is None else w[:, 0] * x.weights.astype(
-        jnp.float32)
+    w = w[:, 0] if x.weights is None else w[:, 0] * x.weights.astype(jnp.float32)
     b = x.lengths.shape[0]
     bags, _ = ragged_bags(x.lengths, w.shape[0])
-    bag_sum = lambda v: jax.ops.segment_sum(v, bags, num_segments=b,
-                                            indices_are_sorted=True)
-    w = _normalize(w, combiner, bag_sum,
-                   lambda v: jnp.take(v, bags, mode="fill", fill_value=0))
+    bag_sum = lambda v: jax.ops.segment_sum(v, bags, num_segments=b, indices_are_sorted=True)
+    w = _normalize(w, combiner, bag_sum, lambda v: jnp.take(v, bags, mode="fill", fill_value=0))
     return bag_sum(rows[:, 0] * w[:, None]), BagWeights(w, bags, x.lengths)
   if isinstance(x, Weighted):
     w = w * x.weights.astype(jnp.float32)
   if combiner is None:
     return rows, w  # sequences: validated unweighted
-  w = _normalize(w, combiner, lambda v: jnp.sum(v, axis=1, keepdims=True),
-                 lambda v: v)
+  w = _normalize(w, combiner, lambda v: jnp.sum(v, axis=1, keepdims=True), lambda v: v)
   out = jnp.sum(rows * w[..., None], axis=1)
   return out, (BagWeights(w) if isinstance(x, Weighted) else w)
 

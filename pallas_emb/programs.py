@@ -14,14 +14,15 @@ replicated (P()); per-feature arguments are tuples in `t.features` order.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from pallas_emb import replicated_ops, shard_ops
-from pallas_emb.shard_ops import ShardedTable
+from pallas_emb import norms, replicated_ops, shard_ops
+from pallas_emb.sharded_table import ShardedTable
 from pallas_emb.state import TableMetrics, TableResiduals, TableState, init_shard
 
 ROWS, REPLICATED = "rows", "replicated"
@@ -38,8 +39,7 @@ def _stored(t: ShardedTable) -> str:
   return REPLICATED if t.replicated else ROWS
 
 
-def per_device(t: ShardedTable, fn: Callable, in_specs: Sequence[str],
-               out_specs) -> Callable:
+def per_device(t: ShardedTable, fn: Callable, in_specs: Sequence[str], out_specs) -> Callable:
   """`fn` run on every device of `t.mesh` over `t.axis` (`shard_map`).
 
   Args:
@@ -54,8 +54,7 @@ def per_device(t: ShardedTable, fn: Callable, in_specs: Sequence[str],
     Auto axes a sharding constraint.
   """
   spec = lambda s: P(t.axis) if s == ROWS else P()
-  explicit = (t.mesh.axis_types[t.mesh.axis_names.index(t.axis)]
-              == jax.sharding.AxisType.Explicit)
+  explicit = t.mesh.axis_types[t.mesh.axis_names.index(t.axis)] == jax.sharding.AxisType.Explicit
 
   def place(x, s):
     sharding = NamedSharding(t.mesh, spec(s))
@@ -65,8 +64,12 @@ def per_device(t: ShardedTable, fn: Callable, in_specs: Sequence[str],
 
   def call(*args):
     mapped = jax.shard_map(
-        fn, mesh=t.mesh, in_specs=tuple(spec(s) for s in in_specs),
-        out_specs=jax.tree.map(spec, out_specs), check_vma=False)
+      fn,
+      mesh=t.mesh,
+      in_specs=tuple(spec(s) for s in in_specs),
+      out_specs=jax.tree.map(spec, out_specs),
+      check_vma=False,
+    )
     return mapped(*(place(x, s) for x, s in zip(args, in_specs)))
 
   return call
@@ -95,89 +98,99 @@ def plan(t: ShardedTable, feature_ids: tuple[jax.Array, ...]) -> TableResiduals:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def lookup(t: ShardedTable, table: jax.Array,
-           feature_ids: tuple[jax.Array, ...]):
+def lookup(t: ShardedTable, table: jax.Array, feature_ids: tuple[jax.Array, ...]):
   """-> (per-feature outputs, `TableResiduals`); see `shard_ops.lookup_shard`."""
   fn = lambda table, *ids: _ops(t).lookup_shard(t, table, ids)
-  return per_device(t, fn, [_stored(t)] + [ROWS] * len(feature_ids), ROWS)(
-      table, *feature_ids)
+  return per_device(t, fn, [_stored(t)] + [ROWS] * len(feature_ids), ROWS)(table, *feature_ids)
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def token_gradients(t: ShardedTable, res: TableResiduals,
-                    feature_grads: tuple[jax.Array, ...]) -> jax.Array:
+def token_gradients(
+  t: ShardedTable, res: TableResiduals, feature_grads: tuple[jax.Array, ...]
+) -> jax.Array:
   """Gradients w.r.t. the outputs -> (S * tokens_per_shard, dim) per token."""
   fn = lambda weights, *grads: shard_ops.token_grads_shard(t, weights, grads)
-  return per_device(t, fn, [ROWS] * (1 + len(feature_grads)), ROWS)(
-      res.weights, *feature_grads)
+  return per_device(t, fn, [ROWS] * (1 + len(feature_grads)), ROWS)(res.weights, *feature_grads)
 
 
-def _update(t: ShardedTable, state: TableState, res: TableResiduals, gate,
-            grads: tuple[jax.Array, ...], token_grads_of: Callable,
-            clip=None):
+def _update(
+  t: ShardedTable,
+  state: TableState,
+  res: TableResiduals,
+  gate,
+  grads: tuple[jax.Array, ...],
+  token_grads_of: Callable,
+  clip=None,
+):
   def fn(table, slots, step, res, gate, clip, *grads):
-    return _ops(t).update_shard(t, table, slots, step, res,
-                                token_grads_of(res, grads), gate, clip)
+    return _ops(t).update_shard(t, table, slots, step, res, token_grads_of(res, grads), gate, clip)
 
   stored = _stored(t)
   table, slots, step, metrics = per_device(
-      t, fn, [stored, stored, REPLICATED, ROWS, REPLICATED, REPLICATED]
-      + [ROWS] * len(grads), (stored, stored, REPLICATED, REPLICATED))(
-          state.table, state.slots, state.step, res,
-          jnp.asarray(gate, jnp.bool_), clip, *grads)
+    t,
+    fn,
+    [stored, stored, REPLICATED, ROWS, REPLICATED, REPLICATED] + [ROWS] * len(grads),
+    (stored, stored, REPLICATED, REPLICATED),
+  )(state.table, state.slots, state.step, res, jnp.asarray(gate, jnp.bool_), clip, *grads)
   return TableState(table, slots, step), metrics
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
-def apply_gradients(t: ShardedTable, state: TableState, res: TableResiduals,
-                    feature_grads: tuple[jax.Array, ...],
-                    gate, clip=None) -> tuple[TableState, TableMetrics]:
+def apply_gradients(
+  t: ShardedTable,
+  state: TableState,
+  res: TableResiduals,
+  feature_grads: tuple[jax.Array, ...],
+  gate,
+  clip=None,
+) -> tuple[TableState, TableMetrics]:
   """The update from gradients w.r.t. the lookup's outputs (per feature).
 
   Expanding them to tokens happens inside the update: no token-sized array
   exists between the two. `state` is donated. `clip`: None or (max_norm,
   norm), see `shard_ops.update_shard`.
   """
-  return _update(t, state, res, gate, feature_grads,
-                 lambda res, grads: shard_ops.token_grads_shard(
-                     t, res.weights, grads), clip)
+  return _update(
+    t,
+    state,
+    res,
+    gate,
+    feature_grads,
+    lambda res, grads: shard_ops.token_grads_shard(t, res.weights, grads),
+    clip,
+  )
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def global_grad_norm(ts: tuple[ShardedTable, ...],
-                     residuals: tuple[TableResiduals, ...],
-                     feature_grads: tuple[tuple[jax.Array, ...], ...]
-                     ) -> jax.Array:
+def global_grad_norm(
+  ts: tuple[ShardedTable, ...],
+  residuals: tuple[TableResiduals, ...],
+  feature_grads: tuple[tuple[jax.Array, ...], ...],
+) -> jax.Array:
   """() sqrt(sum over tables of the squared global norm of the summed row
   gradients each update would apply); the largest norm scales the squares,
   so they cannot overflow float32."""
+
   def one(t, res, grads):
     def fn(res, *grads):
-      return _ops(t).grad_norm_shard(
-          t, res, shard_ops.token_grads_shard(t, res.weights, grads))
-    return per_device(t, fn, [ROWS] * (1 + len(grads)), REPLICATED)(
-        res, *grads)
+      return _ops(t).grad_norm_shard(t, res, shard_ops.token_grads_shard(t, res.weights, grads))
 
-  norms = jnp.stack([one(*x) for x in zip(ts, residuals, feature_grads)])
-  peak = jnp.max(norms)
-  safe = jnp.where(jnp.isfinite(peak) & (peak > 0), peak, 1.0)
-  return jnp.where(jnp.isfinite(peak),
-                   safe * jnp.sqrt(jnp.sum((norms / safe) ** 2)), peak)
+    return per_device(t, fn, [ROWS] * (1 + len(grads)), REPLICATED)(res, *grads)
+
+  return norms.combine_norms(jnp.stack([one(*x) for x in zip(ts, residuals, feature_grads)]))
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
-def apply_token_gradients(t: ShardedTable, state: TableState,
-                          res: TableResiduals, token_grads: jax.Array,
-                          gate) -> tuple[TableState, TableMetrics]:
+def apply_token_gradients(
+  t: ShardedTable, state: TableState, res: TableResiduals, token_grads: jax.Array, gate
+) -> tuple[TableState, TableMetrics]:
   """The update from (S * tokens_per_shard, dim) per-token gradients (the
   pending async update). `state` is donated."""
-  return _update(t, state, res, gate, (token_grads,),
-                 lambda res, grads: grads[0])
+  return _update(t, state, res, gate, (token_grads,), lambda res, grads: grads[0])
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def empty_residuals(t: ShardedTable, tokens_per_shard: int
-                    ) -> tuple[TableResiduals, jax.Array]:
+def empty_residuals(t: ShardedTable, tokens_per_shard: int) -> tuple[TableResiduals, jax.Array]:
   """Residuals and zero token gradients of a batch that routes nothing."""
   fn = lambda: _ops(t).empty_shard(t, tokens_per_shard)
   return per_device(t, fn, [], ROWS)()

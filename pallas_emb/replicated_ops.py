@@ -21,15 +21,14 @@ update).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
-from pallas_emb import kernels, pooling
-from pallas_emb.members import pow2_floor
-from pallas_emb.shard_ops import (
-    ShardedTable, clip_scale, make_residuals, pool_all)
+from pallas_emb import kernels, norms, pooling
+from pallas_emb.shard_ops import make_residuals, pool_all
+from pallas_emb.sharded_table import ShardedTable
 from pallas_emb.state import TableMetrics, TableResiduals
 from sharding.dedup import Unique, dedup, unique_keys
 from sharding.layout import SENTINEL
@@ -42,19 +41,23 @@ def _rows(keys: jax.Array) -> jax.Array:
 
 def _plan(t: ShardedTable, blocks: Sequence) -> tuple[Unique, RoutePlan]:
   ids, dropped = zip(*(pooling.token_ids(x) for x in blocks))
-  unique = dedup(jnp.concatenate(ids), t.layout, t.capacities.unique,
-                 t.dedup_method)
+  unique = dedup(jnp.concatenate(ids), t.layout, t.capacities.unique, t.dedup_method)
   unique = unique._replace(num_overflow=unique.num_overflow + sum(dropped))
   rows = _rows(unique.keys)
   zero = jnp.zeros((), jnp.int32)
   kept = jnp.minimum(unique.num_unique, unique.keys.shape[0])
   return unique, RoutePlan(
-      token_slot=unique.inverse, send_keys=unique.keys, recv_rows=rows,
-      owner_rows=rows, owner_inverse=jnp.where(rows >= 0, jnp.arange(
-          rows.shape[0], dtype=jnp.int32), -1),
-      num_owner_unique=kept, num_overflow=zero,
-      # Every distinct id goes to the one (local) owner.
-      route_demand=unique.num_unique, owner_demand=kept)
+    token_slot=unique.inverse,
+    send_keys=unique.keys,
+    recv_rows=rows,
+    owner_rows=rows,
+    owner_inverse=jnp.where(rows >= 0, jnp.arange(rows.shape[0], dtype=jnp.int32), -1),
+    num_owner_unique=kept,
+    num_overflow=zero,
+    # Every distinct id goes to the one (local) owner.
+    route_demand=unique.num_unique,
+    owner_demand=kept,
+  )
 
 
 def plan_shard(t: ShardedTable, blocks: Sequence) -> TableResiduals:
@@ -68,15 +71,13 @@ def plan_shard(t: ShardedTable, blocks: Sequence) -> TableResiduals:
 def lookup_shard(t: ShardedTable, table: jax.Array, blocks: Sequence):
   """This device's embeddings from its whole copy of the table."""
   unique, plan = _plan(t, blocks)
-  slot_rows = kernels.gather(table, plan.owner_rows, dtype=t.spec.dtype,
-                             backend=t.backend)
+  slot_rows = kernels.gather(table, plan.owner_rows, dtype=t.spec.dtype, backend=t.backend)
   rows = take_rows(slot_rows, plan.token_slot)
   outs, weights = pool_all(t, blocks, rows, plan.token_slot >= 0)
   return outs, make_residuals(unique, plan, weights)
 
 
-def empty_shard(t: ShardedTable, tokens_per_shard: int
-                ) -> tuple[TableResiduals, jax.Array]:
+def empty_shard(t: ShardedTable, tokens_per_shard: int) -> tuple[TableResiduals, jax.Array]:
   """Residuals and zero token gradients of a batch that routes nothing."""
   unique, plan = _plan(t, [jnp.full((tokens_per_shard,), -1, jnp.int32)])
   grads = jnp.zeros((tokens_per_shard, t.spec.dim), jnp.float32)
@@ -85,8 +86,7 @@ def empty_shard(t: ShardedTable, tokens_per_shard: int
 
 def owner_capacity(t: ShardedTable) -> int:
   """Distinct rows the merge may hold: every source's, capped at the rows."""
-  return min(t.mesh.shape[t.axis] * t.capacities.unique,
-             t.layout.rows_per_shard)
+  return min(t.mesh.shape[t.axis] * t.capacities.unique, t.layout.rows_per_shard)
 
 
 def _merged_grads(t: ShardedTable, res: TableResiduals, token_grads):
@@ -95,56 +95,57 @@ def _merged_grads(t: ShardedTable, res: TableResiduals, token_grads):
   plan = res.plan
   size = plan.send_keys.shape[0]
   send = jax.ops.segment_sum(
-      token_grads, jnp.where(plan.token_slot >= 0, plan.token_slot, size),
-      num_segments=size)
+    token_grads, jnp.where(plan.token_slot >= 0, plan.token_slot, size), num_segments=size
+  )
   keys = jax.lax.all_gather(plan.send_keys, t.axis, tiled=True)
   sums = jax.lax.all_gather(send, t.axis, tiled=True)
   cap = owner_capacity(t)
   merged = unique_keys(keys, cap, t.dedup_method)
   grads = jax.ops.segment_sum(
-      sums, jnp.where(merged.inverse >= 0, merged.inverse, cap),
-      num_segments=cap)
+    sums, jnp.where(merged.inverse >= 0, merged.inverse, cap), num_segments=cap
+  )
   return merged, grads, cap
 
 
-def _norm(grads: jax.Array) -> jax.Array:
-  # Every device holds the whole gradient: the norm needs no collective.
-  scale = pow2_floor(jnp.max(jnp.abs(grads), initial=0.0))
-  scaled = grads / scale
-  return scale * jnp.sqrt(jnp.sum(scaled * scaled))
-
-
-def grad_norm_shard(t: ShardedTable, res: TableResiduals,
-                    token_grads: jax.Array) -> jax.Array:
+def grad_norm_shard(t: ShardedTable, res: TableResiduals, token_grads: jax.Array) -> jax.Array:
   """The norm `update_shard` reports, alone (see `shard_ops`)."""
-  return _norm(_merged_grads(t, res, token_grads)[1])
+  return norms.local_norm(_merged_grads(t, res, token_grads)[1])
 
 
-def update_shard(t: ShardedTable, table, slots, step, res: TableResiduals,
-                 token_grads: jax.Array, gate: jax.Array, clip=None):
+def update_shard(t: ShardedTable, table, slots, step, res, token_grads, gate, clip=None):
   """The fused update of this device's copy (see the module docstring);
   same arguments and results as `shard_ops.update_shard`."""
   merged, grads, cap = _merged_grads(t, res, token_grads)
-  norm = _norm(grads)
+  # Every device holds the whole gradient: the norm needs no collective.
+  norm = norms.local_norm(grads)
   unique_ids = jnp.minimum(merged.num_unique, cap)
-  apply = jnp.isfinite(norm) & gate & (unique_ids > 0)
-  if clip is None and t.spec.max_grad_norm is not None:
-    clip = (jnp.float32(t.spec.max_grad_norm), norm)
-  if clip is not None:
-    scale, finite = clip_scale(norm, clip)
-    grads, apply = grads * scale, apply & finite
+  apply, scale = norms.gate_and_clip(
+    norm, gate, unique_ids > 0, clip=clip, max_norm=t.spec.max_grad_norm
+  )
+  if scale is not None:
+    grads = grads * scale
   opt = t.spec.optimizer
   table, slots = kernels.fused_update(
-      table, slots, _rows(merged.keys), grads, opt.scalars(step), apply,
-      optimizer=opt, dtype=t.spec.dtype,
-      backend=t.backend if opt.runs_in_kernel else "xla")
+    table,
+    slots,
+    _rows(merged.keys),
+    grads,
+    opt.scalars(step),
+    apply,
+    optimizer=opt,
+    dtype=t.spec.dtype,
+    backend=t.backend if opt.runs_in_kernel else "xla",
+  )
   psum = lambda x: jax.lax.psum(jnp.sum(x), t.axis)
   pmax = lambda x: jax.lax.pmax(jnp.max(x), t.axis)
   metrics = TableMetrics(
-      unique_ids=unique_ids, invalid_ids=psum(res.num_invalid),
-      overflow_ids=psum(res.num_overflow) + merged.num_overflow,
-      grad_norm=norm, applied=apply,
-      max_unique_per_shard=pmax(res.num_unique),
-      max_ids_per_route=pmax(res.plan.route_demand),
-      max_rows_per_owner=merged.num_unique)
+    unique_ids=unique_ids,
+    invalid_ids=psum(res.num_invalid),
+    overflow_ids=psum(res.num_overflow) + merged.num_overflow,
+    grad_norm=norm,
+    applied=apply,
+    max_unique_per_shard=pmax(res.num_unique),
+    max_ids_per_route=pmax(res.plan.route_demand),
+    max_rows_per_owner=merged.num_unique,
+  )
   return table, slots, step + apply.astype(jnp.int32), metrics

@@ -11,79 +11,40 @@ rows). Top to bottom:
              (one device on the native CPU backend: segment sum, norm, gate
              and update are one native pass)
 
-`ShardedTable` is the static description both halves share; `programs`
-wraps these functions in `shard_map` and `jax.jit`.
+`ShardedTable` (its own module) is the static description both halves
+share; `programs` wraps these functions in `shard_map` and `jax.jit`. The
+update has three forms: a table alone, a stack of tables (each member gated
+alone), and one device on the native backend (one pass); all three gate and
+clip with `norms.gate_and_clip`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 
-from pallas_emb import kernels, members as members_lib, pooling
-from pallas_emb.capacity import Capacities
+from pallas_emb import kernels, norms, pooling
 from pallas_emb.inputs import token_shape
-from pallas_emb.kernels.backend import platform_of
-from pallas_emb.members import Members
-from pallas_emb.spec import FeatureSpec, TableSpec
+from pallas_emb.sharded_table import ShardedTable
+from pallas_emb.stacking import members as members_lib
 from pallas_emb.state import TableMetrics, TableResiduals
 from pallas_emb.tokens import concat_tokens, split_tokens
 from sharding.dedup import Unique, dedup
-from sharding.layout import SENTINEL, RowLayout
+from sharding.layout import SENTINEL
 from sharding.route import (
-    PLAN_SCALARS, RoutePlan, empty_plan, from_owners, is_identity, plan_route,
-    to_owners)
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardedTable:
-  """One table as its sparse step sees it: static and hashable.
-
-  Attributes:
-    spec: the table.
-    features: the features that read it, in token order.
-    layout: where its rows live.
-    capacities: its buffer sizes for this batch shape.
-    mesh: the device mesh.
-    axis: the mesh axis rows and data are sharded over.
-    backend: "pallas", "interpret", "xla" or "native".
-    members: the member tables when this is a stack of several (see
-      `pallas_emb.members`): then the counts of `TableResiduals` and every
-      field of `TableMetrics` are per member, (M,).
-    replicated: stored whole on every device (`layout` has one shard) and
-      stepped by `pallas_emb.replicated_ops` instead.
-  """
-
-  spec: TableSpec
-  features: tuple[FeatureSpec, ...]
-  layout: RowLayout
-  capacities: Capacities
-  mesh: Mesh
-  axis: str
-  backend: str
-  members: Members | None = None
-  replicated: bool = False
-
-  @property
-  def name(self) -> str:
-    return self.spec.name
-
-  @property
-  def num_shards(self) -> int:
-    return self.layout.num_shards
-
-  @property
-  def dedup_method(self) -> str:
-    """How dedup finds each id's slot: binary search on CPU, where it is
-    fastest; a sort that carries positions elsewhere (see `sharding.dedup`)."""
-    return "search" if platform_of(self.mesh.devices.flat) == "cpu" else "sort"
-
+  PLAN_SCALARS,
+  RoutePlan,
+  empty_plan,
+  from_owners,
+  is_identity,
+  plan_route,
+  to_owners,
+)
 
 # -- lookup -----------------------------------------------------------------------
+
 
 def _route(t: ShardedTable, blocks: Sequence):
   """Dedup and routing of this device's ids of every feature of `t`.
@@ -104,49 +65,55 @@ def _route(t: ShardedTable, blocks: Sequence):
   # A stack's per-member counts read the sorted keys, which the native
   # dedup does not return.
   impl = kernels.unique_impl(t.backend) if t.members is None else None
-  unique = dedup(jnp.concatenate(ids), t.layout, caps.unique, t.dedup_method,
-                 impl=impl)
-  plan = plan_route(unique, rows_per_shard=t.layout.rows_per_shard,
-                    num_shards=t.num_shards, route_capacity=caps.route,
-                    owner_capacity=caps.owner, axis_name=t.axis,
-                    method=t.dedup_method, unique_impl=impl)
+  unique = dedup(jnp.concatenate(ids), t.layout, caps.unique, t.dedup_method, impl=impl)
+  plan = plan_route(
+    unique,
+    rows_per_shard=t.layout.rows_per_shard,
+    num_shards=t.num_shards,
+    route_capacity=caps.route,
+    owner_capacity=caps.owner,
+    axis_name=t.axis,
+    method=t.dedup_method,
+    unique_impl=impl,
+  )
   if t.members is None:
     unique = unique._replace(num_overflow=unique.num_overflow + sum(dropped))
     return unique, plan, None
-  num_unique, overflow, demand = members_lib.source_counts(
-      t.members, t.layout, unique, plan)
+  num_unique, overflow, demand = members_lib.source_counts(t.members, t.layout, unique, plan)
   for member, d in zip(t.members.feature_member, dropped):
     overflow = overflow.at[member].add(d)
   return unique, plan, (invalid, num_unique, overflow, demand)
 
 
-def make_residuals(unique: Unique, plan: RoutePlan, weights,
-               counts=None) -> TableResiduals:
+def make_residuals(unique: Unique, plan: RoutePlan, weights, counts=None) -> TableResiduals:
   """`counts`: per-member (invalid, unique, overflow, route demand) of a
   stacked table, which replace the scalars."""
   if counts is not None:
     invalid, num_unique, overflow, demand = counts
-    unique = unique._replace(num_invalid=invalid, num_unique=num_unique,
-                             num_overflow=overflow)
-    plan = plan._replace(route_demand=demand,
-                         num_overflow=jnp.zeros_like(overflow))
+    unique = unique._replace(num_invalid=invalid, num_unique=num_unique, num_overflow=overflow)
+    plan = plan._replace(route_demand=demand, num_overflow=jnp.zeros_like(overflow))
   # Per-device values get a leading axis, so that shard_map concatenates
   # them into (S,) (or (S, M)) arrays.
   return TableResiduals(
-      weights=tuple(weights),
-      plan=plan._replace(**{f: getattr(plan, f)[None] for f in PLAN_SCALARS}),
-      num_invalid=unique.num_invalid[None],
-      num_overflow=unique.num_overflow[None],
-      num_unique=unique.num_unique[None])
+    weights=tuple(weights),
+    plan=plan._replace(**{f: getattr(plan, f)[None] for f in PLAN_SCALARS}),
+    num_invalid=unique.num_invalid[None],
+    num_overflow=unique.num_overflow[None],
+    num_unique=unique.num_unique[None],
+  )
 
 
-def pool_all(t: ShardedTable, blocks: Sequence, rows: jax.Array,
-             has_row: jax.Array):
+def pool_all(t: ShardedTable, blocks: Sequence, rows: jax.Array, has_row: jax.Array):
   """Every feature's (output, residual weights) from its token rows."""
   shapes = [token_shape(x) for x in blocks]
-  return zip(*(pooling.pool(x, r, v, f.combiner) for f, x, r, v in zip(
-      t.features, blocks, split_tokens(rows, shapes),
-      split_tokens(has_row, shapes))))
+  return zip(
+    *(
+      pooling.pool(x, r, v, f.combiner)
+      for f, x, r, v in zip(
+        t.features, blocks, split_tokens(rows, shapes), split_tokens(has_row, shapes)
+      )
+    )
+  )
 
 
 def plan_shard(t: ShardedTable, blocks: Sequence) -> TableResiduals:
@@ -179,26 +146,33 @@ def lookup_shard(t: ShardedTable, table: jax.Array, blocks: Sequence):
   unique, plan, counts = _route(t, blocks)
   # Owners read the rows of the slots they received (one read per source
   # that asked), and each id takes its slot's row.
-  slot_rows = kernels.gather(table, plan.recv_rows, dtype=t.spec.dtype,
-                             backend=t.backend)
-  rows = from_owners(plan, slot_rows, axis_name=t.axis,
-                     take=lambda x, idx: kernels.gather(
-                         x, idx, dtype=jnp.float32, backend=t.backend))
+  slot_rows = kernels.gather(table, plan.recv_rows, dtype=t.spec.dtype, backend=t.backend)
+  rows = from_owners(
+    plan,
+    slot_rows,
+    axis_name=t.axis,
+    take=lambda x, idx: kernels.gather(x, idx, dtype=jnp.float32, backend=t.backend),
+  )
   outs, weights = pool_all(t, blocks, rows, plan.token_slot >= 0)
   return outs, make_residuals(unique, plan, weights, counts)
 
 
-def empty_shard(t: ShardedTable, tokens_per_shard: int
-                ) -> tuple[TableResiduals, jax.Array]:
+def empty_shard(t: ShardedTable, tokens_per_shard: int) -> tuple[TableResiduals, jax.Array]:
   """Residuals and zero token gradients of a batch that routes nothing."""
   caps = t.capacities
-  unique = Unique(keys=jnp.full((caps.unique,), SENTINEL, jnp.int32),
-                  inverse=jnp.full((tokens_per_shard,), -1, jnp.int32),
-                  num_unique=jnp.zeros((), jnp.int32),
-                  num_overflow=jnp.zeros((), jnp.int32),
-                  num_invalid=jnp.zeros((), jnp.int32))
-  plan = empty_plan(num_ids=tokens_per_shard, num_shards=t.num_shards,
-                    route_capacity=caps.route, owner_capacity=caps.owner)
+  unique = Unique(
+    keys=jnp.full((caps.unique,), SENTINEL, jnp.int32),
+    inverse=jnp.full((tokens_per_shard,), -1, jnp.int32),
+    num_unique=jnp.zeros((), jnp.int32),
+    num_overflow=jnp.zeros((), jnp.int32),
+    num_invalid=jnp.zeros((), jnp.int32),
+  )
+  plan = empty_plan(
+    num_ids=tokens_per_shard,
+    num_shards=t.num_shards,
+    route_capacity=caps.route,
+    owner_capacity=caps.owner,
+  )
   grads = jnp.zeros((tokens_per_shard, t.spec.dim), jnp.float32)
   counts = None
   if t.members is not None:
@@ -208,54 +182,32 @@ def empty_shard(t: ShardedTable, tokens_per_shard: int
 
 # -- update -----------------------------------------------------------------------
 
-def token_grads_shard(t: ShardedTable, weights: Sequence[jax.Array],
-                      feature_grads: Sequence[jax.Array]) -> jax.Array:
+
+def token_grads_shard(
+  t: ShardedTable, weights: Sequence[jax.Array], feature_grads: Sequence[jax.Array]
+) -> jax.Array:
   """This device's (n, D) per-token gradient, in its lookup's token order."""
-  return concat_tokens([pooling.expand(g, w, f.combiner) for f, g, w in zip(
-      t.features, feature_grads, weights)])
+  return concat_tokens(
+    [pooling.expand(g, w, f.combiner) for f, g, w in zip(t.features, feature_grads, weights)]
+  )
 
 
-def grad_norm_shard(t: ShardedTable, res: TableResiduals,
-                    token_grads: jax.Array) -> jax.Array:
+def grad_norm_shard(t: ShardedTable, res: TableResiduals, token_grads: jax.Array) -> jax.Array:
   """The global norm of all the summed row gradients the update would apply
   (of a stack: over every member), for a clipping norm over several tables."""
-  return _global_norm(to_owners(res.plan, token_grads, axis_name=t.axis),
-                      t.axis)
+  return norms.global_norm(to_owners(res.plan, token_grads, axis_name=t.axis), t.axis)
 
 
-def _global_norm(x: jax.Array, axis: str) -> jax.Array:
-  """The L2 norm of `x` over all devices of `axis`, without overflow.
-
-  One pass squares and sums. Squaring overflows float32 once the norm
-  passes ~1.8e19 although every element is finite (and underflows for
-  norms below ~1e-19), so only then, decided on the replicated sum (every
-  device takes the same branch), a second computation first divides the
-  elements by the largest power of two <= the global max |x| (exact: it only
-  moves exponents). A non-finite element still gives a non-finite norm.
-  """
-  sq = jax.lax.psum(jnp.sum(x * x), axis)
-
-  def rescaled():
-    scale = members_lib.pow2_floor(
-        jax.lax.pmax(jnp.max(jnp.abs(x), initial=0.0), axis))
-    scaled = x / scale
-    return scale * jnp.sqrt(jax.lax.psum(jnp.sum(scaled * scaled), axis))
-
-  safe = jnp.isfinite(sq) & (sq > 2.0 ** -60)
-  return jax.lax.cond(safe, lambda: jnp.sqrt(sq), rescaled)
-
-
-def clip_scale(norm: jax.Array, clip) -> tuple[jax.Array, jax.Array]:
-  """(scale, finite) of a clipping (max_norm, clip_norm), see
-  `update_shard`: max_norm / clip_norm where that is below 1, else 1."""
-  max_norm, clip_norm = clip
-  finite = jnp.isfinite(clip_norm)
-  return jnp.where(clip_norm > max_norm,
-                   max_norm / jnp.where(finite, clip_norm, 1.0), 1.0), finite
-
-
-def update_shard(t: ShardedTable, table, slots, step, res: TableResiduals,
-                 token_grads: jax.Array, gate: jax.Array, clip=None):
+def update_shard(
+  t: ShardedTable,
+  table,
+  slots,
+  step,
+  res: TableResiduals,
+  token_grads: jax.Array,
+  gate: jax.Array,
+  clip=None,
+):
   """This device's sparse, fused update of its row shard.
 
   Args:
@@ -278,63 +230,111 @@ def update_shard(t: ShardedTable, table, slots, step, res: TableResiduals,
     (its metrics are (M,)); the stack's one step advances when any member
     is applied.
   """
-  # Per-device counts arrive as (1,) or, per member, (1, M).
-  psum = lambda x: jax.lax.psum(jnp.sum(x, axis=0), t.axis)
-  pmax = lambda x: jax.lax.pmax(jnp.max(x, axis=0), t.axis)
-  rows, owner_demand = res.plan.owner_rows, res.plan.owner_demand
-  opt = t.spec.optimizer
-  own_clip = clip is None and t.spec.max_grad_norm is not None
-  if (t.members is None and clip is None and not own_clip
-      and is_identity(res.plan, t.axis)
-      and kernels.fuses_segment_sum(t.backend, opt, t.spec.dtype)):
-    # Nothing travels: the slot sums, norm, gate and update are one pass.
-    unique_ids = psum(res.plan.num_owner_unique)
-    table, slots, norm = kernels.segment_sum_update(
-        table, slots, rows, res.plan.token_slot, token_grads,
-        opt.scalars(step), gate & (unique_ids > 0), optimizer=opt,
-        dtype=t.spec.dtype)
-    apply = write = jnp.isfinite(norm) & gate & (unique_ids > 0)
+  if t.members is not None:
+    update = _update_stack
+  elif (
+    clip is None
+    and t.spec.max_grad_norm is None
+    and is_identity(res.plan, t.axis)
+    and kernels.fuses_segment_sum(t.backend, t.spec.optimizer, t.spec.dtype)
+  ):
+    update = _update_in_one_pass
   else:
-    owner_grads = to_owners(res.plan, token_grads, axis_name=t.axis)
-    if t.members is None:
-      norm = _global_norm(owner_grads, t.axis)
-      unique_ids = psum(res.plan.num_owner_unique)
-      apply = jnp.isfinite(norm) & gate & (unique_ids > 0)
-      if own_clip:
-        clip = (jnp.float32(t.spec.max_grad_norm), norm)
-      if clip is not None:
-        scale, finite = clip_scale(norm, clip)
-        owner_grads, apply = owner_grads * scale, apply & finite
-      write = apply
-    else:
-      n = t.members.count
-      member = members_lib.member_of_local(t.members, t.layout, rows,
-                                           jax.lax.axis_index(t.axis))
-      owner_demand = members_lib.count(member, n)[None]
-      norm = members_lib.global_norms(owner_grads, member, n, t.axis)
-      unique_ids = psum(owner_demand)
-      apply = jnp.isfinite(norm) & gate & (unique_ids > 0)
-      if own_clip:  # every member shares max_grad_norm (`stacking.stack_key`)
-        clip = (jnp.float32(t.spec.max_grad_norm), norm)
-      if clip is not None:
-        scale, finite = clip_scale(norm, clip)
-        per_row = jnp.concatenate([jnp.broadcast_to(scale, (n,)),
-                                   jnp.ones((1,))])
-        owner_grads = owner_grads * per_row[member][:, None]
-        apply &= finite
-      rows, owner_grads = members_lib.keep_rows(rows, owner_grads, jnp.concatenate(
-          [apply, jnp.zeros((1,), bool)])[member])
-      write = jnp.any(apply)
-    table, slots = kernels.fused_update(
-        table, slots, rows, owner_grads, opt.scalars(step), write,
-        optimizer=opt, dtype=t.spec.dtype,
-        backend=t.backend if opt.runs_in_kernel else "xla")
-  metrics = TableMetrics(
-      unique_ids=unique_ids,
-      invalid_ids=psum(res.num_invalid),
-      overflow_ids=psum(res.num_overflow) + psum(res.plan.num_overflow),
-      grad_norm=norm, applied=apply,
-      max_unique_per_shard=pmax(res.num_unique),
-      max_ids_per_route=pmax(res.plan.route_demand),
-      max_rows_per_owner=pmax(owner_demand))
-  return table, slots, step + write.astype(jnp.int32), metrics
+    update = _update_table
+  table, slots, norm, apply, write, owner_demand = update(
+    t, table, slots, step, res, token_grads, gate, clip
+  )
+  return table, slots, step + write.astype(jnp.int32), _metrics(t, res, norm, apply, owner_demand)
+
+
+def _psum(t: ShardedTable, x: jax.Array) -> jax.Array:
+  # Per-device counts arrive as (1,) or, per member, (1, M).
+  return jax.lax.psum(jnp.sum(x, axis=0), t.axis)
+
+
+def _fused_update(t: ShardedTable, table, slots, step, rows, grads, write):
+  opt = t.spec.optimizer
+  return kernels.fused_update(
+    table,
+    slots,
+    rows,
+    grads,
+    opt.scalars(step),
+    write,
+    optimizer=opt,
+    dtype=t.spec.dtype,
+    backend=t.backend if opt.runs_in_kernel else "xla",
+  )
+
+
+def _update_in_one_pass(t: ShardedTable, table, slots, step, res, token_grads, gate, clip):
+  """One device on the native backend, nothing to route or clip: the slot
+  sums, norm, gate and update are one native pass."""
+  del clip
+  opt = t.spec.optimizer
+  has_rows = _psum(t, res.plan.num_owner_unique) > 0
+  table, slots, norm = kernels.segment_sum_update(
+    table,
+    slots,
+    res.plan.owner_rows,
+    res.plan.token_slot,
+    token_grads,
+    opt.scalars(step),
+    gate & has_rows,
+    optimizer=opt,
+    dtype=t.spec.dtype,
+  )
+  apply, _ = norms.gate_and_clip(norm, gate, has_rows)
+  return table, slots, norm, apply, apply, res.plan.owner_demand
+
+
+def _update_table(t: ShardedTable, table, slots, step, res, token_grads, gate, clip):
+  """A table alone: route, norm over all devices, gate and clip, update."""
+  grads = to_owners(res.plan, token_grads, axis_name=t.axis)
+  norm = norms.global_norm(grads, t.axis)
+  apply, scale = norms.gate_and_clip(
+    norm, gate, _psum(t, res.plan.num_owner_unique) > 0, clip=clip, max_norm=t.spec.max_grad_norm
+  )
+  if scale is not None:
+    grads = grads * scale
+  table, slots = _fused_update(t, table, slots, step, res.plan.owner_rows, grads, apply)
+  return table, slots, norm, apply, apply, res.plan.owner_demand
+
+
+def _update_stack(t: ShardedTable, table, slots, step, res, token_grads, gate, clip):
+  """A stack: each member has its own norm, gate and clip; the rows of a
+  member not applied leave the update (`members.keep_rows`)."""
+  n, rows = t.members.count, res.plan.owner_rows
+  grads = to_owners(res.plan, token_grads, axis_name=t.axis)
+  member = members_lib.member_of_local(t.members, t.layout, rows, jax.lax.axis_index(t.axis))
+  owner_demand = members_lib.count(member, n)[None]
+  norm = norms.member_norms(grads, member, n, t.axis)
+  # Every member shares max_grad_norm (`stacking.plan.stack_key`).
+  apply, scale = norms.gate_and_clip(
+    norm, gate, _psum(t, owner_demand) > 0, clip=clip, max_norm=t.spec.max_grad_norm
+  )
+  if scale is not None:
+    per_row = jnp.concatenate([jnp.broadcast_to(scale, (n,)), jnp.ones((1,))])
+    grads = grads * per_row[member][:, None]
+  rows, grads = members_lib.keep_rows(
+    rows, grads, jnp.concatenate([apply, jnp.zeros((1,), bool)])[member]
+  )
+  write = jnp.any(apply)
+  table, slots = _fused_update(t, table, slots, step, rows, grads, write)
+  return table, slots, norm, apply, write, owner_demand
+
+
+def _metrics(t: ShardedTable, res: TableResiduals, norm, apply, owner_demand) -> TableMetrics:
+  pmax = lambda x: jax.lax.pmax(jnp.max(x, axis=0), t.axis)
+  return TableMetrics(
+    unique_ids=_psum(t, owner_demand)
+    if t.members is not None
+    else _psum(t, res.plan.num_owner_unique),
+    invalid_ids=_psum(t, res.num_invalid),
+    overflow_ids=_psum(t, res.num_overflow) + _psum(t, res.plan.num_overflow),
+    grad_norm=norm,
+    applied=apply,
+    max_unique_per_shard=pmax(res.num_unique),
+    max_ids_per_route=pmax(res.plan.route_demand),
+    max_rows_per_owner=pmax(owner_demand),
+  )

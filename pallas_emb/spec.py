@@ -7,7 +7,8 @@ carry no arrays.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Literal, Optional
+from collections.abc import Callable
+from typing import Any, Literal
 
 import jax
 import numpy as np
@@ -17,7 +18,7 @@ from pallas_emb.errors import SpecError, check_int
 from pallas_emb.optimizers.base import EmbeddingOptimizer
 from pallas_emb.optimizers.sgd import SGD
 
-Combiner = Optional[Literal["sum", "mean", "sqrtn"]]
+Combiner = Literal["sum", "mean", "sqrtn"] | None
 COMBINERS = ("sum", "mean", "sqrtn", None)
 Initializer = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
 
@@ -90,34 +91,43 @@ class TableSpec:
     try:
       dtype = np.dtype(self.dtype)
     except TypeError as e:
-      raise SpecError(f"{owner}: dtype {self.dtype!r} is not a dtype; use "
-                      "jnp.float32 or jnp.bfloat16.") from e
+      raise SpecError(
+        f"{owner}: dtype {self.dtype!r} is not a dtype; use jnp.float32 or jnp.bfloat16."
+      ) from e
     if dtype not in packing.SUPPORTED_DTYPES:
-      raise SpecError(f"{owner}: dtype {dtype} is not supported; use "
-                      "jnp.float32 or jnp.bfloat16.")
+      raise SpecError(f"{owner}: dtype {dtype} is not supported; use jnp.float32 or jnp.bfloat16.")
     object.__setattr__(self, "dtype", dtype)
     if dtype == packing.SUPPORTED_DTYPES[1] and self.dim % 2:
       raise SpecError(
-          f"{owner}: a bfloat16 table needs an even dim (rows are stored as "
-          f"pairs of bfloat16 in 32-bit words), got dim={self.dim}; pad dim "
-          f"to {self.dim + 1} or use float32.")
+        f"{owner}: a bfloat16 table needs an even dim (rows are stored as "
+        f"pairs of bfloat16 in 32-bit words), got dim={self.dim}; pad dim "
+        f"to {self.dim + 1} or use float32."
+      )
     if not isinstance(self.optimizer, EmbeddingOptimizer):
       raise SpecError(
-          f"{owner}: optimizer {self.optimizer!r} does not implement "
-          "EmbeddingOptimizer (slot_specs, scalars, update_rows); use one of "
-          "pallas_emb.optimizers.")
+        f"{owner}: optimizer {self.optimizer!r} does not implement "
+        "EmbeddingOptimizer (slot_specs, scalars, update_rows); use one of "
+        "pallas_emb.optimizers."
+      )
     if not callable(self.initializer):
-      raise SpecError(f"{owner}: initializer must be callable (key, shape, "
-                      f"dtype) -> array, got {self.initializer!r}.")
+      raise SpecError(
+        f"{owner}: initializer must be callable (key, shape, "
+        f"dtype) -> array, got {self.initializer!r}."
+      )
     if self.layout not in ("mod", "range"):
-      raise SpecError(f"{owner}: layout must be 'mod' or 'range', got "
-                      f"{self.layout!r}.")
+      raise SpecError(f"{owner}: layout must be 'mod' or 'range', got {self.layout!r}.")
     if self.placement not in ("auto", "sharded", "replicated"):
-      raise SpecError(f"{owner}: placement must be 'auto', 'sharded' or "
-                      f"'replicated', got {self.placement!r}.")
+      raise SpecError(
+        f"{owner}: placement must be 'auto', 'sharded' or 'replicated', got {self.placement!r}."
+      )
     for field in ("unique_capacity", "route_capacity"):
-      check_int(getattr(self, field), f"{owner}: {field}", error=SpecError,
-                optional=True, fix="None is the default (see TableSpec).")
+      check_int(
+        getattr(self, field),
+        f"{owner}: {field}",
+        error=SpecError,
+        optional=True,
+        fix="None is the default (see TableSpec).",
+      )
     check_max_norm(self.max_grad_norm, f"{owner}: max_grad_norm")
 
 
@@ -125,10 +135,15 @@ def check_max_norm(value, name: str) -> None:
   """A gradient-clipping norm is None or a finite float > 0."""
   if value is None:
     return
-  if (isinstance(value, bool) or not isinstance(value, (int, float))
-      or not np.isfinite(value) or value <= 0):
-    raise SpecError(f"{name} must be None or a finite number > 0, got "
-                    f"{value!r}; None turns clipping off.")
+  if (
+    isinstance(value, bool)
+    or not isinstance(value, (int, float))
+    or not np.isfinite(value)
+    or value <= 0
+  ):
+    raise SpecError(
+      f"{name} must be None or a finite number > 0, got {value!r}; None turns clipping off."
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,5 +168,5 @@ class FeatureSpec:
     _check_name(f"FeatureSpec({self.name!r}).table", self.table)
     if self.combiner not in COMBINERS:
       raise SpecError(
-          f"FeatureSpec({self.name!r}): combiner must be one of {COMBINERS}, "
-          f"got {self.combiner!r}.")
+        f"FeatureSpec({self.name!r}): combiner must be one of {COMBINERS}, got {self.combiner!r}."
+      )

@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_emb import members as members_lib, packing
+from pallas_emb import packing
 from pallas_emb.spec import TableSpec
+from pallas_emb.stacking import members as members_lib
 from sharding.layout import RowLayout
 from sharding.route import RoutePlan
 
@@ -89,15 +90,15 @@ class TableMetrics(NamedTuple):
   max_rows_per_owner: jax.Array
 
 
-def init_shard(spec: TableSpec, layout: RowLayout, key: jax.Array,
-               shard: jax.Array, members=None
-               ) -> tuple[jax.Array, dict[str, jax.Array]]:
+def init_shard(
+  spec: TableSpec, layout: RowLayout, key: jax.Array, shard: jax.Array, members=None
+) -> tuple[jax.Array, dict[str, jax.Array]]:
   """This device's stored rows and initial slots (inside `shard_map`).
 
   Row r is `spec.initializer(fold_in(key, r))`, whatever shard holds it, so
   the initial table does not depend on the shard count or layout. Rows are
   generated a chunk at a time, which bounds the temporaries. Of a stack
-  (`members`, a `pallas_emb.members.Members`), `key` holds one key per
+  (`members`, a `pallas_emb.stacking.members.Members`), `key` holds one key per
   member and each member's rows are those it would have alone.
   """
   rps = layout.rows_per_shard
@@ -106,8 +107,9 @@ def init_shard(spec: TableSpec, layout: RowLayout, key: jax.Array,
   def generate(start, size):
     logical = layout.logical_of(shard * rps + start + jnp.arange(size))
     if members is not None:
-      return packing.pack_rows(members_lib.init_rows(
-          members, spec.initializer, key, logical, spec.dim), spec.dtype)
+      return packing.pack_rows(
+        members_lib.init_rows(members, spec.initializer, key, logical, spec.dim), spec.dtype
+      )
     keys = jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.maximum(logical, 0))
     rows = jax.vmap(lambda k: spec.initializer(k, (spec.dim,), jnp.float32))(keys)
     rows = jnp.where(logical[:, None] >= 0, rows.astype(jnp.float32), 0.0)
@@ -119,15 +121,21 @@ def init_shard(spec: TableSpec, layout: RowLayout, key: jax.Array,
     full, rest = divmod(rps, _INIT_CHUNK_ROWS)
     table = jnp.zeros((rps, width), packing.storage_dtype(spec.dtype))
     table = jax.lax.fori_loop(
-        0, full, lambda i, t: jax.lax.dynamic_update_slice(
-            t, generate(i * _INIT_CHUNK_ROWS, _INIT_CHUNK_ROWS),
-            (i * _INIT_CHUNK_ROWS, 0)), table)
+      0,
+      full,
+      lambda i, t: jax.lax.dynamic_update_slice(
+        t, generate(i * _INIT_CHUNK_ROWS, _INIT_CHUNK_ROWS), (i * _INIT_CHUNK_ROWS, 0)
+      ),
+      table,
+    )
     if rest:
       table = jax.lax.dynamic_update_slice(
-          table, generate(full * _INIT_CHUNK_ROWS, rest),
-          (full * _INIT_CHUNK_ROWS, 0))
-  slots = {name: jnp.full(s.shape_for(rps, spec.dim), s.init, s.dtype)
-           for name, s in spec.optimizer.slot_specs().items()}
+        table, generate(full * _INIT_CHUNK_ROWS, rest), (full * _INIT_CHUNK_ROWS, 0)
+      )
+  slots = {
+    name: jnp.full(s.shape_for(rps, spec.dim), s.init, s.dtype)
+    for name, s in spec.optimizer.slot_specs().items()
+  }
   return table, slots
 
 
@@ -136,13 +144,19 @@ def to_host(x: jax.Array) -> np.ndarray:
   if getattr(x, "is_fully_addressable", True):
     return np.asarray(jax.device_get(x))
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def state_from_logical(spec: TableSpec, layout: RowLayout,
-                       sharding: jax.sharding.Sharding,
-                       replicated: jax.sharding.Sharding, table: np.ndarray,
-                       slots: dict[str, np.ndarray], step) -> TableState:
+def state_from_logical(
+  spec: TableSpec,
+  layout: RowLayout,
+  sharding: jax.sharding.Sharding,
+  replicated: jax.sharding.Sharding,
+  table: np.ndarray,
+  slots: dict[str, np.ndarray],
+  step,
+) -> TableState:
   """A `TableState` from validated host arrays in logical row order.
 
   Args:
@@ -153,32 +167,37 @@ def state_from_logical(spec: TableSpec, layout: RowLayout,
   put = lambda x: jax.device_put(layout.to_physical(x), sharding)
   specs = spec.optimizer.slot_specs()
   return TableState(
-      put(packing.to_storage(table, spec.dtype)),
-      {k: jax.device_put(specs[k].as_stored(layout.to_physical(v), spec.dim,
-                                            layout.rows_per_shard), sharding)
-       for k, v in slots.items()},
-      jax.device_put(jnp.asarray(step, jnp.int32), replicated))
+    put(packing.to_storage(table, spec.dtype)),
+    {
+      k: jax.device_put(
+        specs[k].as_stored(layout.to_physical(v), spec.dim, layout.rows_per_shard), sharding
+      )
+      for k, v in slots.items()
+    },
+    jax.device_put(jnp.asarray(step, jnp.int32), replicated),
+  )
 
 
-def logical_table(spec: TableSpec, layout: RowLayout,
-                  state: TableState) -> np.ndarray:
+def logical_table(spec: TableSpec, layout: RowLayout, state: TableState) -> np.ndarray:
   """(num_rows, dim) host copy of a table in logical order, of its dtype."""
   physical = to_host(state.table)
   return packing.from_storage(layout.to_logical(physical), spec.dtype)
 
 
-def logical_slots(spec: TableSpec, layout: RowLayout,
-                  state: TableState) -> dict[str, np.ndarray]:
+def logical_slots(spec: TableSpec, layout: RowLayout, state: TableState) -> dict[str, np.ndarray]:
   """Slot name -> (num_rows, width) host copy in logical row order."""
   specs = spec.optimizer.slot_specs()
-  return {k: layout.to_logical(specs[k].as_rows(to_host(v), spec.dim))
-          for k, v in state.slots.items()}
+  return {
+    k: layout.to_logical(specs[k].as_rows(to_host(v), spec.dim)) for k, v in state.slots.items()
+  }
 
 
-def reshard_slots(spec: TableSpec, old: RowLayout, new: RowLayout,
-                  slots) -> dict[str, np.ndarray]:
+def reshard_slots(spec: TableSpec, old: RowLayout, new: RowLayout, slots) -> dict[str, np.ndarray]:
   """Host slots stored for layout `old` -> stored for layout `new`."""
   specs = spec.optimizer.slot_specs()
-  return {k: specs[k].as_stored(
-      old.reshard(specs[k].as_rows(np.asarray(v), spec.dim), new), spec.dim,
-      new.rows_per_shard) for k, v in slots.items()}
+  return {
+    k: specs[k].as_stored(
+      old.reshard(specs[k].as_rows(np.asarray(v), spec.dim), new), spec.dim, new.rows_per_shard
+    )
+    for k, v in slots.items()
+  }

@@ -65,9 +65,9 @@ def summary(reports: list[StepReport]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
-      prog="python -m pallas_emb.verify",
-      description="Check that every checkpoint step in a directory reads "
-                  "back intact.")
+    prog="python -m pallas_emb.verify",
+    description="Check that every checkpoint step in a directory reads back intact.",
+  )
   parser.add_argument("directory", help="a --checkpoint_dir of the main job")
   args = parser.parse_args(argv)
   if not os.path.isdir(args.directory):
@@ -76,8 +76,10 @@ def main(argv: list[str] | None = None) -> int:
   reports = verify_directory(args.directory)
   print(f"{os.path.abspath(args.directory)}: {len(reports)} checkpoint steps")
   for r in reports:
-    print(f"step {r.step}: {'intact' if r.intact else 'NOT INTACT'}"
-          f"{' (' + r.detail + ')' if r.intact else ': ' + r.detail}")
+    print(
+      f"step {r.step}: {'intact' if r.intact else 'NOT INTACT'}"
+      f"{' (' + r.detail + ')' if r.intact else ': ' + r.detail}"
+    )
   print(summary(reports))
   return 0 if reports and all(r.intact for r in reports) else 1
 

@@ -8,10 +8,19 @@ rows and gradients between data shards and row owners inside `shard_map`
 
 from sharding.dedup import PAD_ID, Unique, dedup, unique_keys
 from sharding.layout import SENTINEL, LayoutError, RowLayout
-from sharding.route import (
-    RoutePlan, empty_plan, from_owners, plan_route, to_owners)
+from sharding.route import RoutePlan, empty_plan, from_owners, plan_route, to_owners
 
 __all__ = [
-    "PAD_ID", "SENTINEL", "LayoutError", "RowLayout", "RoutePlan", "Unique",
-    "dedup", "empty_plan", "from_owners", "plan_route", "to_owners", "unique_keys",
+  "PAD_ID",
+  "SENTINEL",
+  "LayoutError",
+  "RowLayout",
+  "RoutePlan",
+  "Unique",
+  "dedup",
+  "empty_plan",
+  "from_owners",
+  "plan_route",
+  "to_owners",
+  "unique_keys",
 ]

@@ -25,7 +25,8 @@ imports nothing from its callers, so they pass it in.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,8 +74,9 @@ METHODS = ("search", "sort")
 UniqueImpl = Callable[[jax.Array, int], tuple[jax.Array, jax.Array, jax.Array]]
 
 
-def unique_keys(keys: jax.Array, capacity: int, method: str = "search", *,
-                impl: UniqueImpl | None = None) -> Unique:
+def unique_keys(
+  keys: jax.Array, capacity: int, method: str = "search", *, impl: UniqueImpl | None = None
+) -> Unique:
   """Distinct values of `keys` with a static capacity.
 
   Args:
@@ -89,54 +91,66 @@ def unique_keys(keys: jax.Array, capacity: int, method: str = "search", *,
     and independent of input order.
   """
   if keys.ndim != 1 or keys.dtype != jnp.int32:
-    raise TypeError(
-        f"keys must be a 1-D int32 array, got {keys.dtype}{list(keys.shape)}.")
+    raise TypeError(f"keys must be a 1-D int32 array, got {keys.dtype}{list(keys.shape)}.")
   if capacity < 1:
     raise ValueError(f"capacity must be >= 1, got {capacity}.")
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
   if impl is not None and method == "search":
     out_keys, inverse, num_unique = impl(keys, capacity)
-    return Unique(keys=out_keys, inverse=inverse, num_unique=num_unique,
-                  num_overflow=jnp.maximum(num_unique - capacity, 0),
-                  num_invalid=jnp.zeros((), jnp.int32))
+    return Unique(
+      keys=out_keys,
+      inverse=inverse,
+      num_unique=num_unique,
+      num_overflow=jnp.maximum(num_unique - capacity, 0),
+      num_invalid=jnp.zeros((), jnp.int32),
+    )
   if method == "sort":
     sorted_keys, position = jax.lax.sort(
-        (keys, jnp.arange(keys.shape[0], dtype=jnp.int32)), num_keys=1)
+      (keys, jnp.arange(keys.shape[0], dtype=jnp.int32)), num_keys=1
+    )
   else:
     sorted_keys = jnp.sort(keys)
   valid = sorted_keys != SENTINEL
   prev = jnp.concatenate([jnp.full((1,), SENTINEL, jnp.int32), sorted_keys[:-1]])
   first = valid & (sorted_keys != prev)
   rank = jnp.cumsum(first, dtype=jnp.int32) - 1
-  out_keys = jnp.full((capacity,), SENTINEL, jnp.int32).at[
-      jnp.where(first & (rank < capacity), rank, capacity)].set(
-          sorted_keys, mode="drop", unique_indices=True)
+  out_keys = (
+    jnp.full((capacity,), SENTINEL, jnp.int32)
+    .at[jnp.where(first & (rank < capacity), rank, capacity)]
+    .set(sorted_keys, mode="drop", unique_indices=True)
+  )
   order = sorted_slot = None
   if method == "sort":
     # Every input has a run (its rank); scatter the kept ones back in place.
     order, sorted_slot = position, jnp.where(valid & (rank < capacity), rank, -1)
-    inverse = jnp.zeros_like(keys).at[order].set(sorted_slot,
-                                                 unique_indices=True)
+    inverse = jnp.zeros_like(keys).at[order].set(sorted_slot, unique_indices=True)
   else:
-    slot = jnp.minimum(jnp.searchsorted(out_keys, keys, method="scan_unrolled"),
-                       capacity - 1).astype(jnp.int32)
+    slot = jnp.minimum(
+      jnp.searchsorted(out_keys, keys, method="scan_unrolled"), capacity - 1
+    ).astype(jnp.int32)
     inverse = jnp.where((keys != SENTINEL) & (out_keys[slot] == keys), slot, -1)
   num_unique = jnp.sum(first, dtype=jnp.int32)
   return Unique(
-      keys=out_keys,
-      inverse=inverse,
-      num_unique=num_unique,
-      num_overflow=jnp.maximum(num_unique - capacity, 0),
-      num_invalid=jnp.zeros((), jnp.int32),
-      order=order,
-      sorted_keys=sorted_keys,
-      sorted_slot=sorted_slot,
+    keys=out_keys,
+    inverse=inverse,
+    num_unique=num_unique,
+    num_overflow=jnp.maximum(num_unique - capacity, 0),
+    num_invalid=jnp.zeros((), jnp.int32),
+    order=order,
+    sorted_keys=sorted_keys,
+    sorted_slot=sorted_slot,
   )
 
 
-def dedup(ids: jax.Array, layout: RowLayout, capacity: int,
-          method: str = "search", *, impl: UniqueImpl | None = None) -> Unique:
+def dedup(
+  ids: jax.Array,
+  layout: RowLayout,
+  capacity: int,
+  method: str = "search",
+  *,
+  impl: UniqueImpl | None = None,
+) -> Unique:
   """Deduplicates logical ids, keyed by physical row.
 
   Args:
@@ -150,11 +164,11 @@ def dedup(ids: jax.Array, layout: RowLayout, capacity: int,
     A `Unique` whose keys are physical rows, ascending, hence grouped by owner.
   """
   if ids.ndim != 1 or ids.dtype != jnp.int32:
-    raise TypeError(
-        f"ids must be a 1-D int32 array, got {ids.dtype}{list(ids.shape)}.")
+    raise TypeError(f"ids must be a 1-D int32 array, got {ids.dtype}{list(ids.shape)}.")
   in_range = (ids >= 0) & (ids < layout.num_rows)
-  keys = jnp.where(in_range, layout.physical_of(jnp.where(in_range, ids, 0)),
-                   SENTINEL).astype(jnp.int32)
+  keys = jnp.where(in_range, layout.physical_of(jnp.where(in_range, ids, 0)), SENTINEL).astype(
+    jnp.int32
+  )
   result = unique_keys(keys, capacity, method, impl=impl)
   num_invalid = jnp.sum(~in_range & (ids != PAD_ID), dtype=jnp.int32)
   return result._replace(num_invalid=num_invalid)

@@ -49,6 +49,7 @@ def _xp(x):
   if isinstance(x, (np.ndarray, np.generic, int)):
     return np
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
   return jnp
 
 
@@ -68,26 +69,23 @@ class RowLayout:
 
   def __post_init__(self):
     if not isinstance(self.num_rows, (int, np.integer)) or self.num_rows < 1:
-      raise LayoutError(
-          f"num_rows must be a positive int, got {self.num_rows!r}.")
+      raise LayoutError(f"num_rows must be a positive int, got {self.num_rows!r}.")
     if not isinstance(self.num_shards, (int, np.integer)) or self.num_shards < 1:
-      raise LayoutError(
-          f"num_shards must be a positive int, got {self.num_shards!r}.")
+      raise LayoutError(f"num_shards must be a positive int, got {self.num_shards!r}.")
     if self.kind not in ("mod", "range"):
-      raise LayoutError(
-          f"kind must be 'mod' or 'range', got {self.kind!r}.")
+      raise LayoutError(f"kind must be 'mod' or 'range', got {self.kind!r}.")
     if self.num_physical_rows >= SENTINEL:
       raise LayoutError(
-          f"num_rows={self.num_rows} over {self.num_shards} shards needs "
-          f"{self.num_physical_rows} physical rows, which does not fit the "
-          f"int32 row ids (limit {SENTINEL - 1}); split the table.")
+        f"num_rows={self.num_rows} over {self.num_shards} shards needs "
+        f"{self.num_physical_rows} physical rows, which does not fit the "
+        f"int32 row ids (limit {SENTINEL - 1}); split the table."
+      )
 
   @property
   def rows_per_shard(self) -> int:
     """Physical rows on each shard: a multiple of 8, and of 128 from 128."""
     rows = -(-self.num_rows // self.num_shards)
-    return round_up(rows, ROW_ALIGNMENT if rows < GROUP_ALIGNMENT
-                    else GROUP_ALIGNMENT)
+    return round_up(rows, ROW_ALIGNMENT if rows < GROUP_ALIGNMENT else GROUP_ALIGNMENT)
 
   @property
   def num_physical_rows(self) -> int:
@@ -132,8 +130,9 @@ class RowLayout:
   def _check_rows(self, x, expected: int, what: str):
     if x.shape[0] != expected:
       raise LayoutError(
-          f"{what} array has {x.shape[0]} rows, but the layout {self} expects "
-          f"{expected}; pass an array of shape ({expected}, ...).")
+        f"{what} array has {x.shape[0]} rows, but the layout {self} expects "
+        f"{expected}; pass an array of shape ({expected}, ...)."
+      )
 
   def to_physical(self, logical):
     """(num_rows, ...) logical order -> (num_physical_rows, ...), zero padding."""
@@ -148,7 +147,7 @@ class RowLayout:
     xp = _xp(physical)
     return physical[self.physical_of(xp.arange(self.num_rows))]
 
-  def reshard(self, physical, target: "RowLayout"):
+  def reshard(self, physical, target: RowLayout):
     """Moves a physical array of this layout into `target`'s physical order.
 
     One gather, no logical-order temporary. `target` may differ in shard count
@@ -156,8 +155,9 @@ class RowLayout:
     """
     if target.num_rows != self.num_rows:
       raise LayoutError(
-          f"cannot reshard {self.num_rows} rows into a layout of "
-          f"{target.num_rows} rows; the vocabulary must match.")
+        f"cannot reshard {self.num_rows} rows into a layout of "
+        f"{target.num_rows} rows; the vocabulary must match."
+      )
     self._check_rows(physical, self.num_physical_rows, "physical")
     xp = _xp(physical)
     rows = target.logical_of(xp.arange(target.num_physical_rows))

@@ -25,7 +25,8 @@ either capacity are counted as overflow and dropped (zero row, no update).
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -71,12 +72,12 @@ class RoutePlan(NamedTuple):
 
 
 # The per-device scalar fields of a RoutePlan.
-PLAN_SCALARS = ("num_owner_unique", "num_overflow", "route_demand",
-                "owner_demand")
+PLAN_SCALARS = ("num_owner_unique", "num_overflow", "route_demand", "owner_demand")
 
 
-def empty_plan(*, num_ids: int, num_shards: int, route_capacity: int,
-               owner_capacity: int) -> RoutePlan:
+def empty_plan(
+  *, num_ids: int, num_shards: int, route_capacity: int, owner_capacity: int
+) -> RoutePlan:
   """The plan of a device that routes nothing (no id, no owner row).
 
   Shaped like `plan_route`'s result for the same capacities, so an update
@@ -85,12 +86,17 @@ def empty_plan(*, num_ids: int, num_shards: int, route_capacity: int,
   full = lambda n: jnp.full((n,), -1, jnp.int32)
   zero = jnp.zeros((), jnp.int32)
   slots = num_shards * route_capacity
-  return RoutePlan(token_slot=full(num_ids),
-                   send_keys=jnp.full((slots,), SENTINEL, jnp.int32),
-                   recv_rows=full(slots),
-                   owner_rows=full(owner_capacity), owner_inverse=full(slots),
-                   num_owner_unique=zero, num_overflow=zero,
-                   route_demand=zero, owner_demand=zero)
+  return RoutePlan(
+    token_slot=full(num_ids),
+    send_keys=jnp.full((slots,), SENTINEL, jnp.int32),
+    recv_rows=full(slots),
+    owner_rows=full(owner_capacity),
+    owner_inverse=full(slots),
+    num_owner_unique=zero,
+    num_overflow=zero,
+    route_demand=zero,
+    owner_demand=zero,
+  )
 
 
 def _drop_negative(idx: jax.Array, size: int) -> jax.Array:
@@ -98,8 +104,7 @@ def _drop_negative(idx: jax.Array, size: int) -> jax.Array:
   return jnp.where(idx < 0, size, idx)
 
 
-def _slots(keys: jax.Array, ranks: jax.Array, *, rows_per_shard: int,
-           route_capacity: int):
+def _slots(keys: jax.Array, ranks: jax.Array, *, rows_per_shard: int, route_capacity: int):
   """Send slots of ascending keys, without a gather.
 
   Args:
@@ -123,15 +128,15 @@ def _slots(keys: jax.Array, ranks: jax.Array, *, rows_per_shard: int,
 
 
 def plan_route(
-    unique: Unique,
-    *,
-    rows_per_shard: int,
-    num_shards: int,
-    route_capacity: int,
-    owner_capacity: int,
-    axis_name,
-    method: str = "search",
-    unique_impl: UniqueImpl | None = None,
+  unique: Unique,
+  *,
+  rows_per_shard: int,
+  num_shards: int,
+  route_capacity: int,
+  owner_capacity: int,
+  axis_name,
+  method: str = "search",
+  unique_impl: UniqueImpl | None = None,
 ) -> RoutePlan:
   """Buckets a source's distinct physical rows by owner and exchanges them.
 
@@ -150,60 +155,65 @@ def plan_route(
   capacity = keys.shape[0]
   valid = keys != SENTINEL
   slot, position, owner = _slots(
-      keys, jnp.where(valid, jnp.arange(capacity, dtype=jnp.int32), -1),
-      rows_per_shard=rows_per_shard, route_capacity=route_capacity)
+    keys,
+    jnp.where(valid, jnp.arange(capacity, dtype=jnp.int32), -1),
+    rows_per_shard=rows_per_shard,
+    route_capacity=route_capacity,
+  )
   if unique.order is not None:
     # Sorted inputs: their slots come out in sorted order; scatter them back.
-    token_slot = _slots(unique.sorted_keys, unique.sorted_slot,
-                        rows_per_shard=rows_per_shard,
-                        route_capacity=route_capacity)[0]
-    token_slot = jnp.zeros_like(token_slot).at[unique.order].set(
-        token_slot, unique_indices=True)
+    token_slot = _slots(
+      unique.sorted_keys,
+      unique.sorted_slot,
+      rows_per_shard=rows_per_shard,
+      route_capacity=route_capacity,
+    )[0]
+    token_slot = jnp.zeros_like(token_slot).at[unique.order].set(token_slot, unique_indices=True)
   else:
-    token_slot = jnp.where(
-        unique.inverse >= 0,
-        jnp.take(slot, jnp.maximum(unique.inverse, 0)), -1)
+    token_slot = jnp.where(unique.inverse >= 0, jnp.take(slot, jnp.maximum(unique.inverse, 0)), -1)
   num_slots = num_shards * route_capacity
-  send_rows = jnp.full((num_slots,), -1, jnp.int32).at[
-      _drop_negative(slot, num_slots)].set(
-          keys - owner * rows_per_shard, mode="drop", unique_indices=True)
+  send_rows = (
+    jnp.full((num_slots,), -1, jnp.int32)
+    .at[_drop_negative(slot, num_slots)]
+    .set(keys - owner * rows_per_shard, mode="drop", unique_indices=True)
+  )
   recv_rows = _exchange(send_rows, axis_name)
   slot_owner = jnp.arange(num_slots, dtype=jnp.int32) // route_capacity
-  send_keys = jnp.where(send_rows >= 0, send_rows + slot_owner * rows_per_shard,
-                        SENTINEL)
+  send_keys = jnp.where(send_rows >= 0, send_rows + slot_owner * rows_per_shard, SENTINEL)
   if num_shards == 1 and owner_capacity >= num_slots:
     # One source: what arrives is already distinct and ascending, so the
     # owner-side merge is the identity and its sort can be skipped.
     merged = _identity_merge(recv_rows, owner_capacity)
   else:
-    merged = unique_keys(jnp.where(recv_rows >= 0, recv_rows, SENTINEL),
-                         owner_capacity, method, impl=unique_impl)
+    merged = unique_keys(
+      jnp.where(recv_rows >= 0, recv_rows, SENTINEL), owner_capacity, method, impl=unique_impl
+    )
   return RoutePlan(
-      token_slot=token_slot,
-      send_keys=send_keys,
-      recv_rows=recv_rows,
-      owner_rows=jnp.where(merged.keys != SENTINEL, merged.keys, -1),
-      owner_inverse=merged.inverse,
-      num_owner_unique=jnp.minimum(merged.num_unique, owner_capacity),
-      num_overflow=jnp.sum(valid & (slot < 0), dtype=jnp.int32)
-      + merged.num_overflow,
-      # A run's last key has position run length - 1.
-      route_demand=jnp.max(position) + 1,
-      owner_demand=merged.num_unique,
+    token_slot=token_slot,
+    send_keys=send_keys,
+    recv_rows=recv_rows,
+    owner_rows=jnp.where(merged.keys != SENTINEL, merged.keys, -1),
+    owner_inverse=merged.inverse,
+    num_owner_unique=jnp.minimum(merged.num_unique, owner_capacity),
+    num_overflow=jnp.sum(valid & (slot < 0), dtype=jnp.int32) + merged.num_overflow,
+    # A run's last key has position run length - 1.
+    route_demand=jnp.max(position) + 1,
+    owner_demand=merged.num_unique,
   )
 
 
 def _identity_merge(rows: jax.Array, capacity: int) -> Unique:
   valid = rows >= 0
   pad = capacity - rows.shape[0]
-  keys = jnp.pad(jnp.where(valid, rows, SENTINEL), (0, pad),
-                 constant_values=SENTINEL)
+  keys = jnp.pad(jnp.where(valid, rows, SENTINEL), (0, pad), constant_values=SENTINEL)
   count = jnp.sum(valid, dtype=jnp.int32)
-  return Unique(keys=keys,
-                inverse=jnp.where(valid, jnp.arange(rows.shape[0],
-                                                    dtype=jnp.int32), -1),
-                num_unique=count, num_overflow=jnp.zeros((), jnp.int32),
-                num_invalid=jnp.zeros((), jnp.int32))
+  return Unique(
+    keys=keys,
+    inverse=jnp.where(valid, jnp.arange(rows.shape[0], dtype=jnp.int32), -1),
+    num_unique=count,
+    num_overflow=jnp.zeros((), jnp.int32),
+    num_invalid=jnp.zeros((), jnp.int32),
+  )
 
 
 def to_owners(plan: RoutePlan, values: jax.Array, *, axis_name) -> jax.Array:
@@ -219,27 +229,32 @@ def to_owners(plan: RoutePlan, values: jax.Array, *, axis_name) -> jax.Array:
     over sources in source order; zero for padding rows.
   """
   num_slots = plan.owner_inverse.shape[0]
-  send = jax.ops.segment_sum(values, _drop_negative(plan.token_slot, num_slots),
-                             num_segments=num_slots)
+  send = jax.ops.segment_sum(
+    values, _drop_negative(plan.token_slot, num_slots), num_segments=num_slots
+  )
   if is_identity(plan, axis_name):
     # One source and every slot its own owner row: nothing moves or merges.
     return send
   owner_capacity = plan.owner_rows.shape[0]
   return jax.ops.segment_sum(
-      _exchange(send, axis_name),
-      _drop_negative(plan.owner_inverse, owner_capacity),
-      num_segments=owner_capacity)
+    _exchange(send, axis_name),
+    _drop_negative(plan.owner_inverse, owner_capacity),
+    num_segments=owner_capacity,
+  )
 
 
 def take_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
   """x[idx] along axis 0, zero where idx < 0."""
-  return jnp.take(x, _drop_negative(idx, x.shape[0]), axis=0, mode="fill",
-                  fill_value=0)
+  return jnp.take(x, _drop_negative(idx, x.shape[0]), axis=0, mode="fill", fill_value=0)
 
 
-def from_owners(plan: RoutePlan, slot_values: jax.Array, *, axis_name,
-                take: Callable[[jax.Array, jax.Array], jax.Array] = take_rows
-                ) -> jax.Array:
+def from_owners(
+  plan: RoutePlan,
+  slot_values: jax.Array,
+  *,
+  axis_name,
+  take: Callable[[jax.Array, jax.Array], jax.Array] = take_rows,
+) -> jax.Array:
   """Returns what owners computed per received slot to the ids that asked.
 
   Args:
@@ -252,8 +267,7 @@ def from_owners(plan: RoutePlan, slot_values: jax.Array, *, axis_name,
   Returns:
     (n, ...) per id of this source; zero for ids without a slot.
   """
-  back = slot_values if is_identity(plan, axis_name) else _exchange(
-      slot_values, axis_name)
+  back = slot_values if is_identity(plan, axis_name) else _exchange(slot_values, axis_name)
   return take(back, plan.token_slot)
 
 
@@ -263,8 +277,7 @@ def is_identity(plan: RoutePlan, axis_name) -> bool:
   Then nothing travels: `to_owners` is one segment sum of the ids' values
   by `token_slot`, and a caller may fuse it with what the owner does next.
   """
-  return (jax.lax.axis_size(axis_name) == 1
-          and plan.owner_inverse.shape == plan.owner_rows.shape)
+  return jax.lax.axis_size(axis_name) == 1 and plan.owner_inverse.shape == plan.owner_rows.shape
 
 
 def _exchange(x: jax.Array, axis_name) -> jax.Array:

@@ -27,13 +27,11 @@ import functools
 import os
 import re
 
-_TEST_FLAGS = {
-    "--xla_force_host_platform_device_count": "9",
-    "--xla_cpu_max_isa": "AVX",
-}
+_TEST_FLAGS = {"--xla_force_host_platform_device_count": "9", "--xla_cpu_max_isa": "AVX"}
 _flags = re.sub(rf"({'|'.join(_TEST_FLAGS)})=\S+", "", os.environ.get("XLA_FLAGS", ""))
 os.environ["XLA_FLAGS"] = " ".join(
-    [_flags.strip(), *(f"{k}={v}" for k, v in _TEST_FLAGS.items())]).strip()
+  [_flags.strip(), *(f"{k}={v}" for k, v in _TEST_FLAGS.items())]
+).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402  (must follow the flags)
@@ -48,9 +46,10 @@ def make_mesh(num_devices: int = NUM_DEVICES, axis: str = "x") -> jax.sharding.M
   devices = jax.devices()
   if len(devices) < num_devices + 1:
     raise RuntimeError(
-        f"need {num_devices + 1} devices, have {len(devices)}: XLA_FLAGS was "
-        "set after JAX initialised its backends")
-  return jax.sharding.Mesh(np.array(devices[1:num_devices + 1]), (axis,))
+      f"need {num_devices + 1} devices, have {len(devices)}: XLA_FLAGS was "
+      "set after JAX initialised its backends"
+    )
+  return jax.sharding.Mesh(np.array(devices[1 : num_devices + 1]), (axis,))
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -70,24 +69,32 @@ def mesh1():
   return make_mesh(1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def small_trainer(num_devices: int = NUM_DEVICES, layout: str = "mod"):
   """(trainer, model, feeder) of a small ranking job, made once per session:
   tests that train it share its compiled step (a new trainer, even an equal
   one, compiles again: its optax closures differ)."""
   import dataclasses  # pylint: disable=g-import-not-at-top
+
   import optax  # pylint: disable=g-import-not-at-top
+
   import pallas_emb as pe  # pylint: disable=g-import-not-at-top
   from pallas_emb import data as data_lib  # pylint: disable=g-import-not-at-top
   from pallas_emb.data.feed import GlobalBatches  # pylint: disable=g-import-not-at-top
-  from pallas_emb.model import build_ranking  # pylint: disable=g-import-not-at-top
+  from pallas_emb.job.model import build_ranking  # pylint: disable=g-import-not-at-top
+
   dataset = data_lib.SyntheticClickLog(num_users=500, num_items=300, eval_examples=256)
-  emb, model = build_ranking(dataset, make_mesh(num_devices), emb_dim=8, backend="xla",
-                             optimizer=pe.RowWiseAdagrad(0.05, half_life_steps=None))
+  emb, model = build_ranking(
+    dataset,
+    make_mesh(num_devices),
+    emb_dim=8,
+    backend="xla",
+    optimizer=pe.RowWiseAdagrad(0.05, half_life_steps=None),
+  )
   if layout != "mod":
-    emb = dataclasses.replace(emb, tables=tuple(dataclasses.replace(t, layout=layout)
-                                                for t in emb.tables))
+    emb = dataclasses.replace(
+      emb, tables=tuple(dataclasses.replace(t, layout=layout) for t in emb.tables)
+    )
   feeder = GlobalBatches(dataset, 64, emb.sharding())
-  trainer = pe.make_trainer(emb, model.loss, optax.adam(1e-3), pe.TrainConfig(),
-                            feeder.train(0))
+  trainer = pe.make_trainer(emb, model.loss, optax.adam(1e-3), pe.TrainConfig(), feeder.train(0))
   return trainer, model, feeder

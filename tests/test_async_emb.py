@@ -5,18 +5,21 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import make_mesh
 
 import pallas_emb as pe
-from conftest import make_mesh
 from pallas_emb import async_emb
 
-SEED_MESSAGE = ("use_async_emb requires an embedding optimizer implementing "
-                "AsyncEmbOptimizer, and {} has no fused table update")
+SEED_MESSAGE = (
+  "use_async_emb requires an embedding optimizer implementing "
+  "AsyncEmbOptimizer, and {} has no fused table update"
+)
 
 V, D, B = 53, 8, 16
 
 
 # -- the protocol and the config ---------------------------------------------
+
 
 class NeitherMethod(pe.AsyncEmbOptimizer):
   pass
@@ -40,15 +43,22 @@ class Both(pe.AsyncEmbOptimizer):
     return 0.0, True, 0
 
 
-@pytest.mark.parametrize("cls,missing", [
+@pytest.mark.parametrize(
+  "cls,missing",
+  [
     (NeitherMethod, ["gradient_update_start", "gradient_update_done"]),
-    (OnlyStart, ["gradient_update_done"]), (OnlyDone, ["gradient_update_start"])])
+    (OnlyStart, ["gradient_update_done"]),
+    (OnlyDone, ["gradient_update_start"]),
+  ],
+)
 def test_protocol_defaults_raise_the_seed_message(cls, missing):
   opt = cls()
   assert isinstance(opt, pe.AsyncEmbOptimizer)  # isinstance alone is not enough
   assert not pe.supports_async_emb(opt)
-  calls = {"gradient_update_start": lambda: opt.gradient_update_start(None, None, None, None, None),
-           "gradient_update_done": lambda: opt.gradient_update_done(None, None)}
+  calls = {
+    "gradient_update_start": lambda: opt.gradient_update_start(None, None, None, None, None),
+    "gradient_update_done": lambda: opt.gradient_update_done(None, None),
+  }
   for name in missing:
     with pytest.raises(NotImplementedError) as e:
       calls[name]()
@@ -57,14 +67,25 @@ def test_protocol_defaults_raise_the_seed_message(cls, missing):
 
 def test_supports_async_emb():
   assert pe.supports_async_emb(Both())
-  for opt in (pe.SGD(), pe.Adagrad(), pe.RowWiseAdagrad(), pe.LazyAdam(), pe.AsyncEmbAdam(),
-              pe.FTRL()):
+  for opt in (
+    pe.SGD(),
+    pe.Adagrad(),
+    pe.RowWiseAdagrad(),
+    pe.LazyAdam(),
+    pe.AsyncEmbAdam(),
+    pe.FTRL(),
+  ):
     assert pe.supports_async_emb(opt), opt
   assert not pe.supports_async_emb(pe.OptaxRows(optax.adam(1e-3)))
   assert not pe.supports_async_emb(object())
   assert pe.AsyncEmbAdam is pe.LazyAdam
   assert async_emb.registered_async_emb_optimizers() == (
-      pe.SGD, pe.Adagrad, pe.RowWiseAdagrad, pe.LazyAdam, pe.FTRL)
+    pe.SGD,
+    pe.Adagrad,
+    pe.RowWiseAdagrad,
+    pe.LazyAdam,
+    pe.FTRL,
+  )
 
 
 def test_validate_config_refuses_the_optax_wrapper_in_async_mode():
@@ -74,8 +95,15 @@ def test_validate_config_refuses_the_optax_wrapper_in_async_mode():
   msg = str(e.value)
   assert isinstance(e.value, ValueError)
   assert SEED_MESSAGE.format("OptaxRows") in msg
-  for alternative in ("SGD", "Adagrad", "RowWiseAdagrad", "LazyAdam", "AsyncEmbAdam", "FTRL",
-                      "use_async_emb=False"):
+  for alternative in (
+    "SGD",
+    "Adagrad",
+    "RowWiseAdagrad",
+    "LazyAdam",
+    "AsyncEmbAdam",
+    "FTRL",
+    "use_async_emb=False",
+  ):
     assert alternative in msg
   pe.validate_config(pe.TrainConfig(use_async_emb=False), opt)
   pe.validate_config(pe.TrainConfig(use_async_emb=True), pe.RowWiseAdagrad())
@@ -111,6 +139,7 @@ def test_optax_rows_is_lazy_adam_in_the_sync_path():
 
 # -- the context handle -------------------------------------------------------
 
+
 def _emb(n, opt=None, backend="xla"):
   table = pe.TableSpec("t", V, D, optimizer=opt or pe.RowWiseAdagrad(0.2, half_life_steps=None))
   return pe.ShardedEmbedding([table], [pe.FeatureSpec("f", "t", "sum")], make_mesh(n), "x", backend)
@@ -122,8 +151,14 @@ def _batches(n, seed=0, nan_at=None):
   for i in range(n):
     ids = rng.integers(-1, V, (B, 3)).astype(np.int32)
     w = (rng.integers(-8, 9, (B, D)) / 8).astype(np.float32)
-    out.append({"ids": {"f": ids}, "w": w, "y": (rng.random(B) < 0.5).astype(np.float32),
-                "nan": np.float32(np.nan if i == nan_at else 0.0)})
+    out.append(
+      {
+        "ids": {"f": ids},
+        "w": w,
+        "y": (rng.random(B) < 0.5).astype(np.float32),
+        "nan": np.float32(np.nan if i == nan_at else 0.0),
+      }
+    )
   return out
 
 
@@ -141,7 +176,9 @@ def test_make_context_handle_validates():
   with pytest.raises(ValueError, match=r"tokens_per_batch must be an int, got 32.0 of type float"):
     pe.make_context_handle(mesh, "x", **{**ok, "tokens_per_batch": 32.0})
   assert hash(ctx) == hash(pe.make_context_handle(mesh, "x", **ok))
-  with pytest.raises(ValueError, match=r"table_axis 'z' is not a mesh axis; the mesh axes are \('r', 'x'\)"):
+  with pytest.raises(
+    ValueError, match=r"table_axis 'z' is not a mesh axis; the mesh axes are \('r', 'x'\)"
+  ):
     pe.make_context_handle(mesh, "z", **ok)
   with pytest.raises(ValueError, match=r"data_axis 'q' is not a mesh axis"):
     pe.make_context_handle(mesh, "x", **{**ok, "data_axis": "q"})
@@ -149,7 +186,9 @@ def test_make_context_handle_validates():
     pe.make_context_handle(mesh, "x", **{**ok, "data_axis": "r"})
   with pytest.raises(ValueError, match=r"more than one token shard per communicator rank"):
     pe.make_context_handle(mesh, "x", **{**ok, "data_axis": ("r", "x")})
-  with pytest.raises(ValueError, match=r"tokens_per_batch=30 must be a positive multiple of the group size 4"):
+  with pytest.raises(
+    ValueError, match=r"tokens_per_batch=30 must be a positive multiple of the group size 4"
+  ):
     pe.make_context_handle(mesh, "x", **{**ok, "tokens_per_batch": 30})
   with pytest.raises(ValueError, match=r"emb_width=4 does not match table 't'"):
     pe.make_context_handle(mesh, "x", **{**ok, "emb_width": 4})
@@ -175,7 +214,10 @@ def test_misuse_raises_async_emb_state_error(jit):
   def done_without_start():
     return pe.gradient_update_done(ctx)
 
-  with pytest.raises(pe.AsyncEmbStateError, match=r"gradient_update_done on table 't'.*no armed update_start.*call gradient_update_start"):
+  with pytest.raises(
+    pe.AsyncEmbStateError,
+    match=r"gradient_update_done on table 't'.*no armed update_start.*call gradient_update_start",
+  ):
     done_without_start()
 
   @wrap
@@ -183,7 +225,11 @@ def test_misuse_raises_async_emb_state_error(jit):
     _, table, opt_state, _ = pe.gradient_update_start(ctx, update, table, opt_state)
     return pe.gradient_update_start(ctx, update, table, opt_state)
 
-  with pytest.raises(pe.AsyncEmbStateError, match=r"gradient_update_start on table 't'.*update start before the pending update done.*gradient_update_done"):
+  with pytest.raises(
+    pe.AsyncEmbStateError,
+    match=r"gradient_update_start on table 't'.*update start before the pending update done"
+    r".*gradient_update_done",
+  ):
     two_starts(state["t"].table, opt_state, update)
   ctx.reset()
   # Eagerly the first start donated the table; start again from a fresh one.
@@ -195,7 +241,11 @@ def test_misuse_raises_async_emb_state_error(jit):
     _, table, opt_state, _ = pe.gradient_update_start(ctx, update, table, opt_state)
     return pe.lookup_start(ctx, table, ids)
 
-  with pytest.raises(pe.AsyncEmbStateError, match=r"lookup_start on table 't'.*while its gradient update is in flight.*gradient_update_done"):
+  with pytest.raises(
+    pe.AsyncEmbStateError,
+    match=r"lookup_start on table 't'.*while its gradient update is in flight"
+    r".*gradient_update_done",
+  ):
     lookup_in_flight(state["t"].table, opt_state, update, _batches(1)[0]["ids"])
   ctx.reset()
   assert not ctx.in_flight
@@ -218,7 +268,8 @@ def test_start_and_done_in_different_traces_is_refused():
   state = emb.init(jax.random.key(0))
   _, update, opt_state = _start_args(emb, ctx, state)
   out = jax.jit(lambda t, o, u: pe.gradient_update_start(ctx, u, t, o)[1])(
-      state["t"].table, opt_state, update)
+    state["t"].table, opt_state, update
+  )
   del out
   with pytest.raises(pe.AsyncEmbStateError, match="another trace"):
     pe.gradient_update_done(ctx)
@@ -235,8 +286,16 @@ def test_eager_start_done_applies_and_reports():
   assert ctx.in_flight
   norm, valid, pin = pe.gradient_update_done(ctx, gate=m["grad_norm"])
   assert bool(valid) and float(norm) > 0 and int(pin) == 1 and not ctx.in_flight
-  assert set(m) == {"unique_ids", "invalid_ids", "overflow_ids", "grad_norm", "applied",
-                    "max_unique_per_shard", "max_ids_per_route", "max_rows_per_owner"}
+  assert set(m) == {
+    "unique_ids",
+    "invalid_ids",
+    "overflow_ids",
+    "grad_norm",
+    "applied",
+    "max_unique_per_shard",
+    "max_ids_per_route",
+    "max_rows_per_owner",
+  }
   after = emb.logical_table({"t": pe.TableState(table, opt_state.slots, opt_state.step)}, "t")
   assert (after != before).any()
   # The empty update applies nothing.
@@ -244,11 +303,11 @@ def test_eager_start_done_applies_and_reports():
   _, table2, _, m2 = pe.gradient_update_start(ctx, empty, table, opt_state)
   _, valid2, _ = pe.gradient_update_done(ctx)
   assert not bool(valid2) and not bool(m2["applied"])
-  np.testing.assert_array_equal(
-      emb.logical_table({"t": pe.TableState(table2, {}, 0)}, "t"), after)
+  np.testing.assert_array_equal(emb.logical_table({"t": pe.TableState(table2, {}, 0)}, "t"), after)
 
 
 # -- pipelines ----------------------------------------------------------------
+
 
 def _loss_fn(params, acts, batch):
   # A linear model: logit = <emb, w> * scale + bias. Plain enough that the
@@ -286,7 +345,8 @@ def _run_sync_reference(emb, batches, stale):
   for batch in batches:
     acts, res = emb.lookup(prev if stale else tables, batch["ids"])
     (loss, _), (g_p, g_a) = jax.value_and_grad(_loss_fn, argnums=(0, 1), has_aux=True)(
-        params, acts, batch)
+      params, acts, batch
+    )
     upd, opt_state = opt.update(g_p, opt_state, params)
     params = optax.apply_updates(params, upd)
     prev = jax.tree.map(jnp.copy, tables)
@@ -357,6 +417,7 @@ def test_jitted_step_donates_table_and_slots():
   state, _ = tr.step(state, batches[0], batches[1])
   assert old.table.is_deleted() and old.slots["acc"].is_deleted()
   from pallas_emb.train.step import _jit_step
+
   hlo = _jit_step.lower(tr, state, batches[0], batches[1]).compile().as_text()
   # The table and slot parameters are aliased to outputs: updated in place.
   assert "input_output_alias" in hlo and hlo.count("may-alias") + hlo.count("must-alias") >= 2

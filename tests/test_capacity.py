@@ -5,9 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import make_mesh
 
 import pallas_emb as pe
-from conftest import make_mesh
 from pallas_emb.capacity import Capacities
 from pallas_emb.capacity_planner import plan_capacities, with_capacities
 from sharding.layout import RowLayout
@@ -17,15 +17,21 @@ V, D = 4000, 8
 
 def _emb(num_devices, **caps):
   table = pe.TableSpec("t", V, D, optimizer=pe.SGD(0.1), **caps)
-  return pe.ShardedEmbedding([table], [pe.FeatureSpec("f", "t", "sum"),
-                                       pe.FeatureSpec("g", "t", None)],
-                             make_mesh(num_devices), "x", "xla")
+  return pe.ShardedEmbedding(
+    [table],
+    [pe.FeatureSpec("f", "t", "sum"), pe.FeatureSpec("g", "t", None)],
+    make_mesh(num_devices),
+    "x",
+    "xla",
+  )
 
 
 def _batch(seed, batch=64, hi=V):
   rng = np.random.default_rng(seed)
-  return {"f": rng.integers(0, hi, (batch, 3)).astype(np.int32),
-          "g": rng.integers(-1, hi, (batch, 2)).astype(np.int32)}
+  return {
+    "f": rng.integers(0, hi, (batch, 3)).astype(np.int32),
+    "g": rng.integers(-1, hi, (batch, 2)).astype(np.int32),
+  }
 
 
 def test_default_exchange_follows_the_ids_per_chip_not_the_chip_count():
@@ -40,8 +46,7 @@ def test_default_exchange_follows_the_ids_per_chip_not_the_chip_count():
     assert tokens <= slots <= 1.25 * tokens + 64 * shards + 8 * shards, (shards, slots)
   # One shard and the "range" layout (hot ids all on one shard) stay exact.
   assert Capacities.for_table(spec, RowLayout(spec.num_rows, 1), tokens).route >= tokens
-  assert Capacities.for_table(
-      spec, RowLayout(spec.num_rows, 16, "range"), tokens).route >= tokens
+  assert Capacities.for_table(spec, RowLayout(spec.num_rows, 16, "range"), tokens).route >= tokens
 
 
 def test_metrics_report_the_observed_maxima():
@@ -51,12 +56,15 @@ def test_metrics_report_the_observed_maxima():
   acts, res = emb.lookup(state, ids)
   _, m = emb.apply_gradients(state, res, {k: jnp.ones_like(v) for k, v in acts.items()})
   layout = emb.layout("t")
-  per_shard = [np.concatenate([ids["f"][s * 8:(s + 1) * 8].ravel(),
-                               ids["g"][s * 8:(s + 1) * 8].ravel()]) for s in range(8)]
+  per_shard = [
+    np.concatenate([ids["f"][s * 8 : (s + 1) * 8].ravel(), ids["g"][s * 8 : (s + 1) * 8].ravel()])
+    for s in range(8)
+  ]
   uniques = [np.unique(x[(x >= 0) & (x < V)]) for x in per_shard]
   assert int(m["t"].max_unique_per_shard) == max(len(u) for u in uniques)
   assert int(m["t"].max_ids_per_route) == max(
-      np.bincount(layout.shard_of(u), minlength=8).max() for u in uniques)
+    np.bincount(layout.shard_of(u), minlength=8).max() for u in uniques
+  )
   owners = [np.unique(np.concatenate(uniques))]
   rows_per_owner = np.bincount(layout.shard_of(owners[0]), minlength=8)
   assert int(m["t"].max_rows_per_owner) == rows_per_owner.max()
@@ -80,8 +88,7 @@ def test_overflow_past_planned_capacities_is_counted_not_clamped():
   emb = _emb(8)
   # Plan on batches of a narrow id range, then feed one that uses the whole
   # vocabulary: more distinct ids than planned.
-  planned = plan_capacities(emb, [_batch(s, hi=40) for s in range(2)],
-                            headroom=1.0, slack=0)
+  planned = plan_capacities(emb, [_batch(s, hi=40) for s in range(2)], headroom=1.0, slack=0)
   tuned = with_capacities(emb, planned)
   state = tuned.init(jax.random.key(0))
   before = tuned.logical_table(state, "t")

@@ -26,6 +26,7 @@ def test_synthetic_ids_are_zipf_and_the_signal_is_learnable():
   assert counts[:10].sum() / len(users) > 0.05
   # The planted model separates clicks from non-clicks (its AUC is the ceiling).
   from pallas_emb.train.metrics import auc
+
   assert auc(batch["true_logit"], batch["label"]) > 0.75
 
 
@@ -44,11 +45,14 @@ def _write(tmp_path, name, text):
 ROWS = [(1, 10, 5, 1000), (2, 10, 3, 900), (1, 20, 4, 1100), (3, 30, 1, 800), (2, 20, 4.5, 1200)]
 
 
-@pytest.mark.parametrize("name,fmt", [
+@pytest.mark.parametrize(
+  "name,fmt",
+  [
     ("u.data", lambda r: "\t".join(map(str, r))),
     ("ratings.dat", lambda r: "::".join(map(str, r))),
     ("ratings.csv", lambda r: ",".join(map(str, r))),
-])
+  ],
+)
 def test_movielens_formats_parse_alike(tmp_path, name, fmt):
   header = "userId,movieId,rating,timestamp\n" if name.endswith(".csv") else ""
   path = _write(tmp_path, name, header + "\n".join(fmt(r) for r in ROWS) + "\n")
@@ -88,6 +92,7 @@ def test_movielens_errors_name_the_path_and_line(tmp_path):
 
 def test_auc_and_log_loss_against_direct_formulas():
   from pallas_emb.train import metrics
+
   rng = np.random.default_rng(0)
   s = np.round(rng.normal(size=300), 1)  # ties
   y = (rng.random(300) < 0.4).astype(np.float32)
@@ -127,7 +132,9 @@ def test_movielens_ids_stay_integers_at_any_size(tmp_path):
   assert ml.user.tolist() == list(range(len(big)))
 
 
-@pytest.mark.parametrize("line,match", [
+@pytest.mark.parametrize(
+  "line,match",
+  [
     ("1\t2\tnan\t100", r"u.data:2: rating 'nan' is not a finite number"),
     ("1\t2\tinf\t100", r"u.data:2: rating 'inf' is not a finite number"),
     ("1\t2\t4\tinf", r"u.data:2: timestamp 'inf' is not an integer"),
@@ -136,7 +143,8 @@ def test_movielens_ids_stay_integers_at_any_size(tmp_path):
     ("1\t2\t4\t1e30", r"u.data:2: timestamp '1e30' does not fit int64"),
     ("1\t2\t4\t99999999999999999999", r"u.data:2: timestamp '99999999999999999999' does not fit"),
     ("1.5\t2\t4\t100", r"u.data:2: cannot parse .* integer user and item ids"),
-])
+  ],
+)
 def test_movielens_non_finite_values_name_the_file_and_line(tmp_path, line, match):
   path = _write(tmp_path, "u.data", "1\t2\t4\t100\n" + line + "\n")
   with pytest.raises(data.DataError, match=match):
@@ -151,13 +159,18 @@ def test_movielens_integral_float_timestamps_are_accepted(tmp_path):
 @pytest.mark.parametrize("source", ["synthetic", "movielens"])
 def test_a_process_reads_only_its_rows(tmp_path, source, monkeypatch):
   from pallas_emb.data.feed import ProcessRows  # pylint: disable=g-import-not-at-top
+
   if source == "synthetic":
     ds = data.SyntheticClickLog(num_users=100, num_items=50, eval_examples=16)
     counted = "_examples"
   else:
     path = tmp_path / "u.data"
-    path.write_text("".join(f"{u}\t{i}\t{1 + (u * i) % 5}\t{t}\n" for t, (u, i) in
-                            enumerate((u, i) for u in range(1, 30) for i in range(1, 12))))
+    path.write_text(
+      "".join(
+        f"{u}\t{i}\t{1 + (u * i) % 5}\t{t}\n"
+        for t, (u, i) in enumerate((u, i) for u in range(1, 30) for i in range(1, 12))
+      )
+    )
     ds = data.MovieLens.from_file(str(path))
     counted = "_batch"
   made = []

@@ -8,20 +8,20 @@ import pytest
 from sharding.dedup import PAD_ID, dedup, unique_keys
 from sharding.layout import SENTINEL, RowLayout
 
-
 # Both ways of finding each id's slot must give the same result.
 METHODS = pytest.mark.parametrize("method", ["search", "sort"])
 
 
 def _check_unique(ids, layout, capacity, method="search"):
-  u = jax.jit(dedup, static_argnums=(1, 2, 3))(jnp.asarray(ids, jnp.int32), layout,
-                                               capacity, method)
+  u = jax.jit(dedup, static_argnums=(1, 2, 3))(
+    jnp.asarray(ids, jnp.int32), layout, capacity, method
+  )
   keys, inverse = np.asarray(u.keys), np.asarray(u.inverse)
   valid = (ids >= 0) & (ids < layout.num_rows)
   distinct = np.unique(layout.physical_of(ids[valid]))
   kept = distinct[:capacity]
-  np.testing.assert_array_equal(keys[:len(kept)], kept)
-  assert (keys[len(kept):] == SENTINEL).all()
+  np.testing.assert_array_equal(keys[: len(kept)], kept)
+  assert (keys[len(kept) :] == SENTINEL).all()
   assert int(u.num_unique) == len(distinct)
   assert int(u.num_overflow) == len(distinct) - len(kept)
   assert int(u.num_invalid) == int(np.sum(~valid & (ids != PAD_ID)))
@@ -34,7 +34,9 @@ def _check_unique(ids, layout, capacity, method="search"):
 
 
 @METHODS
-@pytest.mark.parametrize("layout", [RowLayout(100, 1), RowLayout(100, 8), RowLayout(100, 3, "range")])
+@pytest.mark.parametrize(
+  "layout", [RowLayout(100, 1), RowLayout(100, 8), RowLayout(100, 3, "range")]
+)
 def test_dedup_matches_numpy(layout, method):
   ids = np.random.default_rng(1).integers(0, 100, 300).astype(np.int32)
   _check_unique(ids, layout, 128, method)

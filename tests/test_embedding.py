@@ -5,25 +5,46 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import make_mesh
 
 import pallas_emb as pe
-from conftest import make_mesh
 
 V, D = 61, 16
 
 
-def _emb(num_devices, optimizer, *, layout="mod", dtype=jnp.float32, combiner="sum",
-         unique_capacity=None, route_capacity=None, backend="xla", rows=V, dim=D):
-  table = pe.TableSpec("t", rows, dim, optimizer=optimizer, dtype=dtype, layout=layout,
-                       unique_capacity=unique_capacity, route_capacity=route_capacity)
+def _emb(
+  num_devices,
+  optimizer,
+  *,
+  layout="mod",
+  dtype=jnp.float32,
+  combiner="sum",
+  unique_capacity=None,
+  route_capacity=None,
+  backend="xla",
+  rows=V,
+  dim=D,
+):
+  table = pe.TableSpec(
+    "t",
+    rows,
+    dim,
+    optimizer=optimizer,
+    dtype=dtype,
+    layout=layout,
+    unique_capacity=unique_capacity,
+    route_capacity=route_capacity,
+  )
   feats = [pe.FeatureSpec("bag", "t", combiner), pe.FeatureSpec("seq", "t", None)]
   return pe.ShardedEmbedding([table], feats, make_mesh(num_devices), "x", backend)
 
 
 def _batch(rng, batch=24, bag=3, seq=2, rows=V, invalid=True):
   lo = -1 if invalid else 0
-  ids = {"bag": rng.integers(lo, rows, (batch, bag)).astype(np.int32),
-         "seq": rng.integers(0, rows + (3 if invalid else 0), (batch, seq)).astype(np.int32)}
+  ids = {
+    "bag": rng.integers(lo, rows, (batch, bag)).astype(np.int32),
+    "seq": rng.integers(0, rows + (3 if invalid else 0), (batch, seq)).astype(np.int32),
+  }
   return ids
 
 
@@ -48,9 +69,12 @@ def _train(emb, steps, seed=0, dyadic=True):
   return state, acts_log
 
 
-OPTIMIZERS = [pe.SGD(0.5), pe.Adagrad(0.25),
-              pe.RowWiseAdagrad(0.1, half_life_steps=3.0, lazy_decay=True, weight_decay=0.01),
-              pe.LazyAdam(0.05)]
+OPTIMIZERS = [
+  pe.SGD(0.5),
+  pe.Adagrad(0.25),
+  pe.RowWiseAdagrad(0.1, half_life_steps=3.0, lazy_decay=True, weight_decay=0.01),
+  pe.LazyAdam(0.05),
+]
 
 
 @pytest.mark.parametrize("layout", ["mod", "range"])
@@ -74,21 +98,29 @@ def test_one_eight_and_six_devices_give_identical_tables(opt, layout):
         np.testing.assert_array_equal(a[k], b[k])
 
 
-@pytest.mark.parametrize("opt", [pe.RowWiseAdagrad(0.1), pe.LazyAdam(0.05)],
-                         ids=lambda o: type(o).__name__)
+@pytest.mark.parametrize(
+  "opt", [pe.RowWiseAdagrad(0.1), pe.LazyAdam(0.05)], ids=lambda o: type(o).__name__
+)
 def test_device_counts_agree_within_tolerance_for_arbitrary_gradients(opt):
   # With arbitrary float gradients the per-row sums are added in a different
   # order on 1 and 8 devices: agreement is to float32 rounding (1e-5).
-  tables = [_emb(n, opt).logical_table(_train(_emb(n, opt), 3, dyadic=False)[0], "t")
-            for n in (1, 8)]
+  tables = [
+    _emb(n, opt).logical_table(_train(_emb(n, opt), 3, dyadic=False)[0], "t") for n in (1, 8)
+  ]
   np.testing.assert_allclose(tables[0], tables[1], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("opt,tx", [
+@pytest.mark.parametrize(
+  "opt,tx",
+  [
     (pe.SGD(0.5), optax.sgd(0.5)),
-    (pe.Adagrad(0.25, initial_accumulator_value=0.1, eps=1e-7),
-     optax.adagrad(0.25, initial_accumulator_value=0.1, eps=1e-7)),
-], ids=["sgd", "adagrad"])
+    (
+      pe.Adagrad(0.25, initial_accumulator_value=0.1, eps=1e-7),
+      optax.adagrad(0.25, initial_accumulator_value=0.1, eps=1e-7),
+    ),
+  ],
+  ids=["sgd", "adagrad"],
+)
 @pytest.mark.parametrize("num_devices", [1, 8])
 def test_sparse_update_equals_dense_optax_on_every_row(opt, tx, num_devices):
   emb = _emb(num_devices, opt)
@@ -116,8 +148,7 @@ def test_sparse_update_equals_dense_optax_on_every_row(opt, tx, num_devices):
     state, _ = emb.apply_gradients(state, res, w)
   np.testing.assert_array_equal(emb.logical_table(state, "t"), dense)
   if isinstance(opt, pe.Adagrad):
-    np.testing.assert_array_equal(emb.logical_slots(state, "t")["acc"],
-                                  opt_state[0].sum_of_squares)
+    np.testing.assert_array_equal(emb.logical_slots(state, "t")["acc"], opt_state[0].sum_of_squares)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -137,7 +168,9 @@ def test_lookup_combiners_match_numpy(combiner, dtype):
   np.testing.assert_allclose(acts["bag"], want, rtol=1e-6, atol=1e-6)
   s = ids["seq"]
   sv = (s >= 0) & (s < V)
-  np.testing.assert_array_equal(acts["seq"], np.where(sv[..., None], table[np.clip(s, 0, V - 1)], 0))
+  np.testing.assert_array_equal(
+    acts["seq"], np.where(sv[..., None], table[np.clip(s, 0, V - 1)], 0)
+  )
   assert acts["seq"].shape == (24, 2, D) and acts["bag"].dtype == jnp.float32
 
 
@@ -160,8 +193,10 @@ def test_invalid_ids_read_zero_write_nothing_and_are_counted():
   state = emb.init(jax.random.key(2))
   before, slots_before = emb.logical_table(state, "t"), emb.logical_slots(state, "t")
   bad = np.array([-5, V, 2**31 - 1, -1], np.int32)
-  ids = {"bag": np.tile(np.array([[3, -5, V], [2**31 - 1, -1, 3]], np.int32), (4, 1)),
-         "seq": np.tile(np.array([[-1, 9]], np.int32), (8, 1))}
+  ids = {
+    "bag": np.tile(np.array([[3, -5, V], [2**31 - 1, -1, 3]], np.int32), (4, 1)),
+    "seq": np.tile(np.array([[-1, 9]], np.int32), (8, 1)),
+  }
   acts, res = emb.lookup(state, ids)
   np.testing.assert_allclose(acts["bag"][0], before[3], rtol=1e-6)
   np.testing.assert_allclose(acts["bag"][1], before[3], rtol=1e-6)
@@ -185,11 +220,14 @@ def test_capacity_overflow_drops_ids_and_never_touches_other_rows(caps):
   before = emb.logical_table(state, "t")
   # 20 distinct ids per data shard, all owned by shard 0 (even ids), for a
   # capacity of 8: 12 ids per shard overflow.
-  ids = {"bag": np.tile(np.arange(0, 40, 2, dtype=np.int32), (2, 1)),
-         "seq": np.full((2, 1), -1, np.int32)}
+  ids = {
+    "bag": np.tile(np.arange(0, 40, 2, dtype=np.int32), (2, 1)),
+    "seq": np.full((2, 1), -1, np.int32),
+  }
   acts, res = emb.lookup(state, ids)
-  state, m = emb.apply_gradients(state, res, {"bag": np.ones((2, D), np.float32),
-                                              "seq": np.zeros((2, 1, D), np.float32)})
+  state, m = emb.apply_gradients(
+    state, res, {"bag": np.ones((2, D), np.float32), "seq": np.zeros((2, 1, D), np.float32)}
+  )
   assert int(m["t"].overflow_ids) == 2 * 12
   assert int(m["t"].unique_ids) == 8
   after = emb.logical_table(state, "t")
@@ -207,8 +245,9 @@ def test_non_finite_gradient_writes_nothing(bad):
   # One normal step first so that the slots are not at their initial values.
   ids = _batch(rng)
   _, res = emb.lookup(state, ids)
-  state, _ = emb.apply_gradients(state, res, {"bag": _dyadic(rng, (24, D)),
-                                              "seq": _dyadic(rng, (24, 2, D))})
+  state, _ = emb.apply_gradients(
+    state, res, {"bag": _dyadic(rng, (24, D)), "seq": _dyadic(rng, (24, 2, D))}
+  )
   table = np.asarray(state["t"].table).copy()
   slots = {k: np.asarray(v).copy() for k, v in state["t"].slots.items()}
   step = int(state["t"].step)
@@ -229,8 +268,9 @@ def test_gate_false_skips_the_update():
   state = emb.init(jax.random.key(4))
   table = np.asarray(state["t"].table).copy()
   acts, res = emb.lookup(state, _batch(np.random.default_rng(0)))
-  state, m = emb.apply_gradients(state, res, {k: jnp.ones_like(v) for k, v in acts.items()},
-                                 gate=False)
+  state, m = emb.apply_gradients(
+    state, res, {k: jnp.ones_like(v) for k, v in acts.items()}, gate=False
+  )
   assert not bool(m["t"].applied) and np.isfinite(float(m["t"].grad_norm))
   np.testing.assert_array_equal(np.asarray(state["t"].table), table)
 
@@ -247,9 +287,11 @@ def test_update_is_in_place_with_donated_buffers():
   # No table-sized temporary: the compiled update's scratch is far below one
   # shard of the table (4096 x 128 float32 = 2 MiB per device).
   from pallas_emb import programs
+
   t = emb.sharded_table("t", res["t"].plan.token_slot.shape[0] // 8)
   compiled = programs.apply_gradients.lower(
-      t, new["t"], res["t"], (grads["bag"], grads["seq"]), jnp.bool_(True)).compile()
+    t, new["t"], res["t"], (grads["bag"], grads["seq"]), jnp.bool_(True)
+  ).compile()
   shard_bytes = new["t"].table.nbytes // 8
   assert compiled.memory_analysis().temp_size_in_bytes < shard_bytes / 4
 
@@ -258,8 +300,9 @@ def test_init_does_not_depend_on_shard_count_or_layout():
   a = _emb(1, pe.SGD())
   b = _emb(6, pe.SGD(), layout="range")
   key = jax.random.key(11)
-  np.testing.assert_array_equal(a.logical_table(a.init(key), "t"),
-                                b.logical_table(b.init(key), "t"))
+  np.testing.assert_array_equal(
+    a.logical_table(a.init(key), "t"), b.logical_table(b.init(key), "t")
+  )
   table = a.logical_table(a.init(key), "t")
   assert 0.1 < table.std() * np.sqrt(D) < 1.5  # default: stddev ~ 1/sqrt(dim)
 
@@ -290,7 +333,7 @@ def test_lookup_and_update_work_inside_jit():
   @jax.jit
   def step(state, ids):
     acts, res = emb.lookup(state, ids)
-    loss, g = jax.value_and_grad(lambda a: sum(jnp.sum(v ** 2) for v in a.values()))(acts)
+    loss, g = jax.value_and_grad(lambda a: sum(jnp.sum(v**2) for v in a.values()))(acts)
     state, m = emb.apply_gradients(state, res, g)
     return state, loss, m
 
@@ -301,25 +344,37 @@ def test_lookup_and_update_work_inside_jit():
 
 # -- bad arguments ------------------------------------------------------------
 
+
 def test_bad_arguments_raise_specific_errors():
   emb = _emb(8, pe.SGD())
   state = emb.init(jax.random.key(0))
   ids = _batch(np.random.default_rng(0))
-  with pytest.raises(pe.InputError, match=r"ids of feature 'bag' must be integers \(int32 or int64\), got float32; .*hash_ids"):
+  with pytest.raises(
+    pe.InputError,
+    match=r"ids of feature 'bag' must be integers \(int32 or int64\), got float32; .*hash_ids",
+  ):
     emb.lookup(state, {**ids, "bag": ids["bag"].astype(np.float32)})
   with pytest.raises(pe.InputError, match=r"must have shape \(batch, bag_size\), got \(24,\)"):
     emb.lookup(state, {**ids, "bag": ids["bag"][:, 0]})
-  with pytest.raises(pe.InputError, match=r"batch size 20 of feature 'bag' is not divisible by the 8"):
+  with pytest.raises(
+    pe.InputError, match=r"batch size 20 of feature 'bag' is not divisible by the 8"
+  ):
     emb.lookup(state, {**ids, "bag": ids["bag"][:20]})
   with pytest.raises(pe.InputError, match=r"unknown features \['nope'\]"):
     emb.lookup(state, {**ids, "nope": ids["bag"]})
   with pytest.raises(pe.InputError, match=r"missing feature 'seq'"):
     emb.lookup(state, {"bag": ids["bag"]})
   acts, res = emb.lookup(state, ids)
-  with pytest.raises(pe.InputError, match=r"gradient of feature .bag. is float32\[24, 8\]; expected a float array of shape \(24, 16\)"):
+  with pytest.raises(
+    pe.InputError,
+    match=r"gradient of feature .bag. is float32\[24, 8\]; "
+    r"expected a float array of shape \(24, 16\)",
+  ):
     emb.apply_gradients(state, res, {"bag": jnp.ones((24, 8)), "seq": acts["seq"]})
   other = _emb(8, pe.SGD(), dim=8)
-  with pytest.raises(pe.InputError, match=r"table 't' has float32\[64, 16\].*stores float32\[64, 8\]"):
+  with pytest.raises(
+    pe.InputError, match=r"table 't' has float32\[64, 16\].*stores float32\[64, 8\]"
+  ):
     other.lookup(state, ids)
   with pytest.raises(pe.InputError, match=r"unknown table 'u'"):
     emb.table_spec("u")
@@ -328,9 +383,13 @@ def test_bad_arguments_raise_specific_errors():
 def test_bad_specs_raise_specific_errors():
   mesh = make_mesh(8)
   t = pe.TableSpec("t", 10, 4)
-  with pytest.raises(pe.SpecError, match=r"feature 'f' reads table 'u', which is not among the tables \['t'\]"):
+  with pytest.raises(
+    pe.SpecError, match=r"feature 'f' reads table 'u', which is not among the tables \['t'\]"
+  ):
     pe.ShardedEmbedding([t], [pe.FeatureSpec("f", "u")], mesh)
-  with pytest.raises(pe.SpecError, match=r"axis 'y' is not an axis of the mesh, whose axes are \('x',\)"):
+  with pytest.raises(
+    pe.SpecError, match=r"axis 'y' is not an axis of the mesh, whose axes are \('x',\)"
+  ):
     pe.ShardedEmbedding([t], [pe.FeatureSpec("f", "t")], mesh, axis="y")
   with pytest.raises(pe.SpecError, match=r"table names must be unique"):
     pe.ShardedEmbedding([t, t], [], mesh)
@@ -383,8 +442,10 @@ def test_mean_counts_only_ids_that_got_a_row():
   emb = _emb(1, pe.SGD(), combiner="mean", unique_capacity=8)
   state = emb.init(jax.random.key(3))
   table = emb.logical_table(state, "t")
-  ids = {"bag": np.arange(16, dtype=np.int32).reshape(1, 16).repeat(8, 0),
-         "seq": np.full((8, 1), -1, np.int32)}
+  ids = {
+    "bag": np.arange(16, dtype=np.int32).reshape(1, 16).repeat(8, 0),
+    "seq": np.full((8, 1), -1, np.int32),
+  }
   acts, _ = emb.lookup(state, ids)
   np.testing.assert_allclose(acts["bag"][0], table[:8].mean(0), rtol=1e-6, atol=1e-7)
 
@@ -395,14 +456,22 @@ def test_slots_are_checked_on_every_backend():
   acts, res = emb.lookup(state, _batch(np.random.default_rng(0)))
   rows = state["t"].table.shape[0]
   wrong = {"t": state["t"]._replace(slots={"acc": jnp.zeros((rows, D), jnp.float32)})}
-  with pytest.raises(pe.InputError, match=r"slot 'acc' of table 't' is float32\[64, 16\], but RowWiseAdagrad keeps float32\[64, 1\]"):
+  with pytest.raises(
+    pe.InputError,
+    match=r"slot 'acc' of table 't' is float32\[64, 16\], "
+    r"but RowWiseAdagrad keeps float32\[64, 1\]",
+  ):
     emb.apply_gradients(wrong, res, {k: jnp.ones_like(v) for k, v in acts.items()})
-  with pytest.raises(pe.InputError, match=r"slot 'acc' of table 't' must have shape \(61, 1\), got \(1, 61\)"):
+  with pytest.raises(
+    pe.InputError, match=r"slot 'acc' of table 't' must have shape \(61, 1\), got \(1, 61\)"
+  ):
     emb.state_from_logical("t", np.zeros((V, D)), {"acc": np.zeros((1, V))})
 
 
 def test_kernel_dispatch_refuses_unknown_backends():
   from pallas_emb import kernels
+
   with pytest.raises(pe.BackendError, match=r"backend must be one of .* got 'interp'"):
-    kernels.gather(jnp.zeros((8, 4)), jnp.zeros((8,), jnp.int32), dtype=jnp.float32,
-                   backend="interp")
+    kernels.gather(
+      jnp.zeros((8, 4)), jnp.zeros((8,), jnp.int32), dtype=jnp.float32, backend="interp"
+    )

@@ -24,19 +24,28 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from absl import flags
-from hypothesis import given, settings, strategies as st
+from conftest import make_mesh, small_trainer
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import pallas_emb as pe
-from conftest import make_mesh, small_trainer
-from pallas_emb import async_emb, data as data_lib, main as main_lib, verify
+from pallas_emb import async_emb, verify
+from pallas_emb import data as data_lib
 from pallas_emb.data.feed import GlobalBatches
 from pallas_emb.errors import (
-    CheckpointCorruptError, CheckpointDirError, CheckpointError,
-    CheckpointMismatchError, EmptyInputError, MeshMismatchError,
-    PlacementError, UpdateMismatchError)
-from pallas_emb.model import build_ranking
-from pallas_emb.train.checkpoint import Checkpointer
+  CheckpointCorruptError,
+  CheckpointDirError,
+  CheckpointError,
+  CheckpointMismatchError,
+  EmptyInputError,
+  MeshMismatchError,
+  PlacementError,
+  UpdateMismatchError,
+)
+from pallas_emb.job import run as main_lib
+from pallas_emb.job.model import build_ranking
 from pallas_emb.train import integrity
+from pallas_emb.train.checkpoint import Checkpointer
 from pallas_emb.train.checkpoint_dir import CheckpointDir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,11 +63,14 @@ def _trainer(optimizer=None, batch=BATCH, user_rows=500):
     return small_trainer()
   dataset = data_lib.SyntheticClickLog(num_users=user_rows, num_items=300, eval_examples=256)
   emb, model = build_ranking(
-      dataset, make_mesh(8), emb_dim=8, backend="xla",
-      optimizer=optimizer or pe.RowWiseAdagrad(0.05, half_life_steps=None))
+    dataset,
+    make_mesh(8),
+    emb_dim=8,
+    backend="xla",
+    optimizer=optimizer or pe.RowWiseAdagrad(0.05, half_life_steps=None),
+  )
   feeder = GlobalBatches(dataset, batch, emb.sharding())
-  trainer = pe.make_trainer(emb, model.loss, optax.adam(1e-3), pe.TrainConfig(),
-                            feeder.train(0))
+  trainer = pe.make_trainer(emb, model.loss, optax.adam(1e-3), pe.TrainConfig(), feeder.train(0))
   return trainer, model, feeder
 
 
@@ -88,8 +100,9 @@ def saved(tmp_path_factory):
   """A trainer, steps 1, 2, 3 checkpointed in a pristine directory, and the
   host copy of the state at each step."""
   tr, model, feeder = _trainer()
-  init = lambda: tr.init(model.init(jax.random.key(1)), tr.emb.init(jax.random.key(2)),
-                         feeder.train(0))
+  init = lambda: tr.init(
+    model.init(jax.random.key(1)), tr.emb.init(jax.random.key(2)), feeder.train(0)
+  )
   state, refs = init(), {}
   directory = str(tmp_path_factory.mktemp("pristine"))
   ckpt = Checkpointer(directory, tr)
@@ -98,8 +111,9 @@ def saved(tmp_path_factory):
     state, _ = tr.step(state, feeder.train(t), feeder.train(t + 1))
     ckpt.save(state, shapes)
     refs[t + 1] = _host(tr, state)
-  return dict(trainer=tr, feeder=feeder, template=init(), dir=directory, refs=refs,
-              shapes=shapes, state=state)
+  return dict(
+    trainer=tr, feeder=feeder, template=init(), dir=directory, refs=refs, shapes=shapes, state=state
+  )
 
 
 def _copy(saved, tmp_path) -> str:
@@ -136,14 +150,22 @@ def _expect_newest_intact(saved, directory, corrupted_step=3):
 
 # -- checksums -----------------------------------------------------------------------
 
+
 @settings(max_examples=8, deadline=None, derandomize=True, database=None)
-@given(dtype=st.sampled_from([np.float32, np.int32, np.uint8, np.int8, np.float16,
-                              np.bool_, jnp.bfloat16, np.uint32]),
-       rows=st.sampled_from([8, 16]), seed=st.integers(0, 2**16), flip=st.integers(0, 10**6))
+@given(
+  dtype=st.sampled_from(
+    [np.float32, np.int32, np.uint8, np.int8, np.float16, np.bool_, jnp.bfloat16, np.uint32]
+  ),
+  rows=st.sampled_from([8, 16]),
+  seed=st.integers(0, 2**16),
+  flip=st.integers(0, 10**6),
+)
 def test_checksum_is_the_same_on_devices_and_host_and_sees_one_bit(dtype, rows, seed, flip):
   values = np.abs(np.random.default_rng(seed).normal(size=(rows, 5)) * 100)
   x = values > 80 if dtype == np.bool_ else values.astype(dtype)
-  sharded = jax.device_put(x, jax.sharding.NamedSharding(make_mesh(8), jax.sharding.PartitionSpec("x")))
+  sharded = jax.device_put(
+    x, jax.sharding.NamedSharding(make_mesh(8), jax.sharding.PartitionSpec("x"))
+  )
   got = integrity.checksums({"a": sharded, "b": jax.device_put(x, jax.devices()[0]), "c": x})
   assert got["a"] == got["b"] == got["c"] == integrity.host_checksum(x)
   bits = np.ascontiguousarray(x).view(np.uint8).copy()
@@ -156,6 +178,7 @@ def test_checksum_is_the_same_on_devices_and_host_and_sees_one_bit(dtype, rows, 
 
 
 # -- checkpoint corruption ---------------------------------------------------------
+
 
 @pytest.mark.parametrize("seed", range(6))
 def test_bit_flip_at_a_random_offset_is_found(saved, tmp_path, seed):
@@ -176,12 +199,15 @@ def test_flipped_table_value_is_skipped_with_its_array_named(saved, tmp_path):
   d = CheckpointDir(work)
   meta = d.read_meta(3)
   target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), d.manager.item_metadata(3)["state"])
-  item = d.manager.restore(3, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
+  item = d.manager.restore(3, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))[
+    "state"
+  ]
   item["tables"]["user"]["table"][7, 2] = np.nextafter(item["tables"]["user"]["table"][7, 2], 1)
   shutil.rmtree(os.path.join(work, "3"))
   d.manager.reload()
-  d.manager.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave(item),
-                                            meta=ocp.args.JsonSave(meta)))
+  d.manager.save(
+    3, args=ocp.args.Composite(state=ocp.args.StandardSave(item), meta=ocp.args.JsonSave(meta))
+  )
   r = _expect_newest_intact(saved, work)
   assert r.step == 2 and "tables/user/table" in r.skipped[0][1]
 
@@ -198,19 +224,31 @@ def test_read_only_restore_falls_back_and_renames_nothing(saved, tmp_path):
   work = _copy(saved, tmp_path)
   os.remove(os.path.join(work, "3", "meta", "metadata"))
   r = Checkpointer(work, saved["trainer"], read_only=True).restore_verified(
-      saved["template"], saved["feeder"].train)
+    saved["template"], saved["feeder"].train
+  )
   assert r.step == 2 and [s for s, _ in r.skipped] == [3]
   assert sorted(os.listdir(work)) == ["1", "2", "3"]
   _assert_same(_host(saved["trainer"], r.state), saved["refs"][2])
 
 
-@pytest.mark.parametrize("victim", [
-    "meta/metadata", "state/_METADATA", "state/manifest.ocdbt", "state", "data",
-    "_CHECKPOINT_METADATA"])
+@pytest.mark.parametrize(
+  "victim",
+  [
+    "meta/metadata",
+    "state/_METADATA",
+    "state/manifest.ocdbt",
+    "state",
+    "data",
+    "_CHECKPOINT_METADATA",
+  ],
+)
 def test_deleted_file_is_skipped_or_not_needed(saved, tmp_path, victim):
   work = _copy(saved, tmp_path)
-  path = (max(_files(work, 3, data_only=True), key=os.path.getsize) if victim == "data"
-          else os.path.join(work, "3", victim))
+  path = (
+    max(_files(work, 3, data_only=True), key=os.path.getsize)
+    if victim == "data"
+    else os.path.join(work, "3", victim)
+  )
   shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
   _expect_newest_intact(saved, work)
 
@@ -219,8 +257,11 @@ def test_tampered_metadata_is_skipped(saved, tmp_path):
   work = _copy(saved, tmp_path)
   path = os.path.join(work, "3", "meta", "metadata")
   text = open(path).read()
-  open(path, "w").write(text.replace('"data_position"', '"data_positiom"', 1)
-                        if '"data_position"' in text else text.replace('"exact": false', '"exact": true'))
+  open(path, "w").write(
+    text.replace('"data_position"', '"data_positiom"', 1)
+    if '"data_position"' in text
+    else text.replace('"exact": false', '"exact": true')
+  )
   r = _expect_newest_intact(saved, work)
   assert r.step == 2 and "digest" in r.skipped[0][1]
 
@@ -266,13 +307,17 @@ def test_verify_command_names_the_corrupt_step(saved, tmp_path, capsys):
 
 def test_verify_command_runs_as_a_module(saved):
   out = subprocess.run(
-      ["timeout", "-k", "5", "120", sys.executable, "-m", "pallas_emb.verify", saved["dir"]],
-      cwd=REPO, capture_output=True, text=True)
+    ["timeout", "-k", "5", "120", sys.executable, "-m", "pallas_emb.verify", saved["dir"]],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+  )
   assert out.returncode == 0, out.stderr[-2000:]
   assert "3 checkpoint steps" in out.stdout and "newest intact step: 3" in out.stdout
 
 
 # -- a restore into another configuration ---------------------------------------
+
 
 def test_restore_with_another_optimizer_is_refused(saved):
   tr, _, feeder = _trainer(optimizer=pe.SGD(0.1))
@@ -294,11 +339,11 @@ def test_restore_with_another_table_is_refused(saved):
 
 def test_restore_from_an_empty_directory_says_so(saved, tmp_path):
   with pytest.raises(CheckpointError, match="no checkpoint"):
-    Checkpointer(str(tmp_path), saved["trainer"]).restore(saved["template"],
-                                                          saved["feeder"].train)
+    Checkpointer(str(tmp_path), saved["trainer"]).restore(saved["template"], saved["feeder"].train)
 
 
 # -- directories that cannot be written ------------------------------------------
+
 
 def _unwritable(tmp_path) -> str:
   if os.geteuid() != 0:
@@ -349,8 +394,12 @@ def test_failed_save_does_not_hang_the_process(tmp_path):
   # a directory that never came, and the process hung at exit.
   start = time.time()
   out = subprocess.run(
-      ["timeout", "-k", "5", "120", sys.executable, "-c", _FAILING_SAVE, str(tmp_path / "ck")],
-      cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True)
+    ["timeout", "-k", "5", "120", sys.executable, "-c", _FAILING_SAVE, str(tmp_path / "ck")],
+    cwd=REPO,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    capture_output=True,
+    text=True,
+  )
   assert out.returncode == 0, out.stderr[-2000:]
   assert "CheckpointDirError" in out.stdout and "writing checkpoint step 2" in out.stdout
   assert time.time() - start < 100
@@ -371,9 +420,14 @@ for step in range(1, 1000):
 def test_sigkill_during_save_leaves_only_intact_steps(tmp_path):
   directory = str(tmp_path / "ck")
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  proc = subprocess.Popen(["timeout", "-k", "5", "200", sys.executable, "-c", _SAVER, directory],
-                          cwd=REPO, env=env, stdout=subprocess.PIPE, text=True,
-                          start_new_session=True)
+  proc = subprocess.Popen(
+    ["timeout", "-k", "5", "200", sys.executable, "-c", _SAVER, directory],
+    cwd=REPO,
+    env=env,
+    stdout=subprocess.PIPE,
+    text=True,
+    start_new_session=True,
+  )
   for line in proc.stdout:
     if line.startswith("saving 3"):
       break
@@ -385,17 +439,29 @@ def test_sigkill_during_save_leaves_only_intact_steps(tmp_path):
   for step in steps:
     meta, arrays = d.verify(step)
     assert arrays == 2 and meta["step"] == step
-    got = d.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(
-        {"a": np.zeros((2048, 2048), np.float32), "b": np.zeros(7, np.int64)})))["state"]
+    got = d.manager.restore(
+      step,
+      args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(
+          {"a": np.zeros((2048, 2048), np.float32), "b": np.zeros(7, np.int64)}
+        )
+      ),
+    )["state"]
     np.testing.assert_array_equal(got["a"], np.full((2048, 2048), step, np.float32))
     np.testing.assert_array_equal(got["b"], np.arange(step, step + 7))
 
 
 # -- misuse of the API -------------------------------------------------------------
 
+
 def _small(mesh, name="t"):
-  return pe.ShardedEmbedding([pe.TableSpec(name, 50, 8, optimizer=pe.SGD(0.5))],
-                             [pe.FeatureSpec("f", name, "mean")], mesh, "x", "xla")
+  return pe.ShardedEmbedding(
+    [pe.TableSpec(name, 50, 8, optimizer=pe.SGD(0.5))],
+    [pe.FeatureSpec("f", name, "mean")],
+    mesh,
+    "x",
+    "xla",
+  )
 
 
 def test_empty_batch_or_bag_is_refused_before_jax():
@@ -403,8 +469,11 @@ def test_empty_batch_or_bag_is_refused_before_jax():
   tables = emb.init(jax.random.key(0))
   for shape in [(0, 2), (8, 0)]:
     ids = {"f": np.zeros(shape, np.int32)}
-    for call in (lambda: emb.lookup(tables, ids), lambda: emb.plan(ids),
-                 lambda: async_emb.context_handles(emb, ids)):
+    for call in (
+      lambda: emb.lookup(tables, ids),
+      lambda: emb.plan(ids),
+      lambda: async_emb.context_handles(emb, ids),
+    ):
       with pytest.raises(EmptyInputError, match=rf"shape \({shape[0]}, {shape[1]}\)"):
         call()
 
@@ -473,13 +542,15 @@ def test_update_owner_is_static_through_jit_and_positional_updates_still_build()
   assert ctx.identity not in [str(x) for x in jax.tree.leaves(update)]
   passed = jax.jit(lambda u: u)(update)
   assert passed.owner == ctx.identity
-  bare = pe.AsyncEmbGradientUpdate(update.unique_tokens, update.grads, update.segment_ids,
-                                   update.pending)
+  bare = pe.AsyncEmbGradientUpdate(
+    update.unique_tokens, update.grads, update.segment_ids, update.pending
+  )
   assert bare.owner is None and bare.plan is None
   state = ctx.embedding.init(jax.random.key(0))["a"]
-  with pytest.raises(pe.InputError, match="needs an AsyncEmbGradientUpdate from make_gradient_update"):
-    async_emb.gradient_update_start(ctx, bare, state.table,
-                                    pe.EmbOptState(state.slots, state.step))
+  with pytest.raises(
+    pe.InputError, match="needs an AsyncEmbGradientUpdate from make_gradient_update"
+  ):
+    async_emb.gradient_update_start(ctx, bare, state.table, pe.EmbOptState(state.slots, state.step))
 
 
 def test_trainer_refuses_ids_committed_to_one_device(saved):
@@ -490,12 +561,30 @@ def test_trainer_refuses_ids_committed_to_one_device(saved):
     tr.step(saved["template"], batch, feeder.train(1))
 
 
-@pytest.mark.parametrize("flag", [
-    "--devices=-1", "--devices=0", "--steps=-5", "--steps=0", "--batch_size=0",
-    "--emb_dim=0", "--log_every=0", "--checkpoint_every=-1", "--eval_every=-2",
-    "--eval_batches=-1", "--seed=-3", "--heartbeat_timeout=0", "--num_processes=0",
-    "--process_id=-1", "--emb_learning_rate=-0.1", "--emb_learning_rate=nan",
-    "--dense_learning_rate=inf", "--resume", "--num_processes=2 --process_id=2"])
+@pytest.mark.parametrize(
+  "flag",
+  [
+    "--devices=-1",
+    "--devices=0",
+    "--steps=-5",
+    "--steps=0",
+    "--batch_size=0",
+    "--emb_dim=0",
+    "--log_every=0",
+    "--checkpoint_every=-1",
+    "--eval_every=-2",
+    "--eval_batches=-1",
+    "--seed=-3",
+    "--heartbeat_timeout=0",
+    "--num_processes=0",
+    "--process_id=-1",
+    "--emb_learning_rate=-0.1",
+    "--emb_learning_rate=nan",
+    "--dense_learning_rate=inf",
+    "--resume",
+    "--num_processes=2 --process_id=2",
+  ],
+)
 def test_every_flag_range_is_checked_at_parse_time(flag):
   flags.FLAGS.unparse_flags()
   try:
@@ -512,13 +601,14 @@ F1203 09:34:17.181282 client.h:80] Terminating process because the JAX distribut
 1
 3
 The tasks have crashed. Check the task logs for an earlier error.
-"""
+"""  # noqa: E501  (a real log)
 _LEADER_DIED = """F1203 09:35:32.716193 client.h:80] Terminating process because the JAX distributed service detected fatal errors. This most likely indicates that another task died; see the other task logs for more details. absl::Status: UNAVAILABLE: Failed to send RPC to coordination service. Either the leader task was preempted/died/restarted unexpectedly or this task is experiencing network issues.
-"""
+"""  # noqa: E501  (a real log)
 
 
 def test_supervisor_reads_which_process_was_lost(tmp_path):
-  from pallas_emb import supervisor
+  from pallas_emb.job import supervisor
+
   assert supervisor.lost_processes(_PEER_DIED) == ([1, 3], "it stopped sending heartbeats")
   assert supervisor.lost_processes(_LEADER_DIED)[0] == [0]
   assert supervisor.lost_processes("Traceback ...\nValueError: a bug\n") is None
@@ -526,8 +616,10 @@ def test_supervisor_reads_which_process_was_lost(tmp_path):
     os.makedirs(tmp_path / "ck" / step)
   argv = ["--num_processes", "4", "--process_id=2", f"--checkpoint_dir={tmp_path}/ck"]
   report = supervisor._report(argv, [1, 3], "it stopped sending heartbeats")
-  assert report == (f"pallas_emb: lost processes 1, 3 of 4 (it stopped sending heartbeats); "
-                    f"process 2 stops too. Last good checkpoint: step 20 in {tmp_path}/ck; "
-                    "restart every process with --resume to continue from it.")
+  assert report == (
+    f"pallas_emb: lost processes 1, 3 of 4 (it stopped sending heartbeats); "
+    f"process 2 stops too. Last good checkpoint: step 20 in {tmp_path}/ck; "
+    "restart every process with --resume to continue from it."
+  )
   assert "No checkpoint was written yet" in supervisor._report(argv[:2], [0], "x")
   assert supervisor.needed(argv) and not supervisor.needed(["--num_processes=1"])

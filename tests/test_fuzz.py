@@ -12,19 +12,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from conftest import make_mesh
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import pallas_emb as pe
-from conftest import make_mesh
-from pallas_emb.shard_ops import _global_norm
+from pallas_emb.norms import global_norm as _global_norm
 
 ROWS, DIM, LR = {"t": 37, "u": 5}, 3, 0.5
 # feature -> (table, combiner, bag size)
-FEATURES = {"s": ("t", "sum", 3), "m": ("t", "mean", 2), "q": ("u", "sqrtn", 2),
-            "seq": ("t", None, 2)}
-SETTINGS = settings(max_examples=6, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FEATURES = {
+  "s": ("t", "sum", 3),
+  "m": ("t", "mean", 2),
+  "q": ("u", "sqrtn", 2),
+  "seq": ("t", None, 2),
+}
+SETTINGS = settings(
+  max_examples=6,
+  deadline=None,
+  derandomize=True,
+  database=None,
+  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 def _emb(num_devices: int) -> pe.ShardedEmbedding:
@@ -32,8 +42,7 @@ def _emb(num_devices: int) -> pe.ShardedEmbedding:
   feats = [pe.FeatureSpec(f, t, c) for f, (t, c, _) in FEATURES.items()]
   # Unstacked: the reference steps each table alone (a stack has one step
   # counter per group; tests/test_stacking.py compares stacked with this).
-  return pe.ShardedEmbedding(tables, feats, make_mesh(num_devices), "x", "xla",
-                             stacking="off")
+  return pe.ShardedEmbedding(tables, feats, make_mesh(num_devices), "x", "xla", stacking="off")
 
 
 EMBS = {n: _emb(n) for n in (1, 8)}
@@ -68,15 +77,24 @@ def _batches(draw, batch: int):
   gradient w.r.t. each output, in one dtype."""
   ids = {}
   for f, (t, _, bag) in FEATURES.items():
-    ids[f] = draw(hnp.arrays(np.int32, (batch, bag), elements=st.one_of(
-        st.integers(-1, ROWS[t] - 1), st.integers(-3, ROWS[t] + 3),
-        st.sampled_from([0, ROWS[t] - 1, -2**31, 2**31 - 1]))))
+    ids[f] = draw(
+      hnp.arrays(
+        np.int32,
+        (batch, bag),
+        elements=st.one_of(
+          st.integers(-1, ROWS[t] - 1),
+          st.integers(-3, ROWS[t] + 3),
+          st.sampled_from([0, ROWS[t] - 1, -(2**31), 2**31 - 1]),
+        ),
+      )
+    )
   dtype = draw(st.sampled_from([np.float32, jnp.bfloat16]))
   grads = {}
   for f, (_, combiner, bag) in FEATURES.items():
     shape = (batch, bag, DIM) if combiner is None else (batch, DIM)
-    values = draw(hnp.arrays(np.float32, shape, elements=st.floats(
-        -8, 8, width=32, allow_subnormal=False)))
+    values = draw(
+      hnp.arrays(np.float32, shape, elements=st.floats(-8, 8, width=32, allow_subnormal=False))
+    )
     grads[f] = values.astype(dtype)
   return ids, grads
 
@@ -89,8 +107,7 @@ def _check_step(num_devices: int, ids: dict, grads: dict):
   state, metrics = emb.apply_gradients(state, res, grads)
   want_acts, want, touched, invalid = _reference(before, ids, grads)
   for f in FEATURES:
-    np.testing.assert_allclose(np.asarray(acts[f]), want_acts[f], rtol=1e-5, atol=1e-6,
-                               err_msg=f)
+    np.testing.assert_allclose(np.asarray(acts[f]), want_acts[f], rtol=1e-5, atol=1e-6, err_msg=f)
   for t in ROWS:
     got = emb.logical_table(state, t)
     # Rows no valid id reached keep their exact bits.
@@ -140,8 +157,9 @@ def test_other_integer_ids_are_refused_or_exact(dtype):
   # if they are, the lookup must equal the int32 one (never wrap an id).
   emb = EMBS[8]
   rng = np.random.default_rng(0)
-  ids = {f: rng.integers(0, ROWS[t], (8, bag)).astype(np.int32)
-         for f, (t, _, bag) in FEATURES.items()}
+  ids = {
+    f: rng.integers(0, ROWS[t], (8, bag)).astype(np.int32) for f, (t, _, bag) in FEATURES.items()
+  }
   state = emb.init(jax.random.key(0))
   want, _ = emb.lookup(state, ids)
   try:
@@ -154,12 +172,20 @@ def test_other_integer_ids_are_refused_or_exact(dtype):
 
 def _norm_fn(num_devices: int):
   mesh = make_mesh(num_devices)
-  return jax.jit(jax.shard_map(lambda x: _global_norm(x, "x"), mesh=mesh,
-                               in_specs=jax.sharding.PartitionSpec("x"),
-                               out_specs=jax.sharding.PartitionSpec(), check_vma=False))
+  return jax.jit(
+    jax.shard_map(
+      lambda x: _global_norm(x, "x"),
+      mesh=mesh,
+      in_specs=jax.sharding.PartitionSpec("x"),
+      out_specs=jax.sharding.PartitionSpec(),
+      check_vma=False,
+    )
+  )
 
 
 NORMS = {n: _norm_fn(n) for n in (1, 8)}
+
+
 def _floats(limit: float, **kwargs):
   limit = float(np.float32(limit))
   return st.floats(-limit, limit, width=32, **kwargs)
@@ -167,8 +193,15 @@ def _floats(limit: float, **kwargs):
 
 @pytest.mark.parametrize("num_devices", [1, 8])
 @settings(max_examples=25, deadline=None, derandomize=True, database=None)
-@given(x=hnp.arrays(np.float32, (16, 3), elements=st.one_of(
-    _floats(3e38), _floats(1e-37, allow_subnormal=False), st.just(0.0), _floats(1e20))))
+@given(
+  x=hnp.arrays(
+    np.float32,
+    (16, 3),
+    elements=st.one_of(
+      _floats(3e38), _floats(1e-37, allow_subnormal=False), st.just(0.0), _floats(1e20)
+    ),
+  )
+)
 def test_global_norm_does_not_overflow_for_finite_gradients(num_devices, x):
   got = float(NORMS[num_devices](x))
   want = np.linalg.norm(x.astype(np.float64))
@@ -192,8 +225,10 @@ def test_finite_gradient_with_an_overflowing_square_sum_is_applied():
   # float32 and drop the update as non-finite.
   emb = EMBS[8]
   ids = {f: np.zeros((8, bag), np.int32) for f, (_, _, bag) in FEATURES.items()}
-  grads = {f: np.full((8, bag, DIM) if c is None else (8, DIM), 1e19, np.float32)
-           for f, (_, c, bag) in FEATURES.items()}
+  grads = {
+    f: np.full((8, bag, DIM) if c is None else (8, DIM), 1e19, np.float32)
+    for f, (_, c, bag) in FEATURES.items()
+  }
   state = emb.init(jax.random.key(0))
   before = {t: emb.logical_table(state, t) for t in ROWS}
   _, res = emb.lookup(state, ids)

@@ -16,30 +16,31 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from conftest import make_mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import pallas_emb as pe
-from conftest import make_mesh
 from pallas_emb import async_emb
 from pallas_emb.data.feed import GlobalBatches
 
 V, D, B = 40, 8, 16
 # Each of these wraps onto row 5, 9 or 0 as int32; none may touch a row.
-WIDE = [2**32 + 5, 2**32 + 9, 2**31, -2**31 - 1, 2**63 - 1, -2**32]
+WIDE = [2**32 + 5, 2**32 + 9, 2**31, -(2**31) - 1, 2**63 - 1, -(2**32)]
 
 
 def _ids(rng):
   """(B, 2) int64: valid ids in [10, V), padding, and the WIDE ids; rows
   0, 5 and 9 are never looked up validly."""
   ids = rng.integers(10, V, (B, 2)).astype(np.int64)
-  ids[:len(WIDE), 0] = WIDE
+  ids[: len(WIDE), 0] = WIDE
   ids[-1, 1] = -1
   return ids
 
 
 def test_int32_ids_converts_on_the_host_and_in_the_graph():
-  x = np.array([5, 2**32 + 5, 2**31, 2**31 - 1, -2**31, -2**31 - 1, -1], np.int64)
-  want = [5, -2, -2, 2**31 - 1, -2**31, -2, -1]
+  x = np.array([5, 2**32 + 5, 2**31, 2**31 - 1, -(2**31), -(2**31) - 1, -1], np.int64)
+  want = [5, -2, -2, 2**31 - 1, -(2**31), -2, -1]
   got = pe.int32_ids(x)
   assert isinstance(got, np.ndarray) and got.dtype == np.int32 and got.tolist() == want
   assert pe.int32_ids(np.array([2**63 + 5, 7], np.uint64)).tolist() == [-2, 7]
@@ -56,8 +57,7 @@ def test_int32_ids_converts_on_the_host_and_in_the_graph():
 
 def _emb(n, opt=None):
   table = pe.TableSpec("t", V, D, optimizer=opt or pe.SGD(1.0))
-  return pe.ShardedEmbedding([table], [pe.FeatureSpec("f", "t", "sum")],
-                             make_mesh(n), "x", "xla")
+  return pe.ShardedEmbedding([table], [pe.FeatureSpec("f", "t", "sum")], make_mesh(n), "x", "xla")
 
 
 def _check_untouched(before, after):
@@ -97,7 +97,8 @@ def test_async_int64_ids_beyond_int32_are_invalid_and_touch_no_row(num_devices):
   lookup = pe.lookup_start(ctx, state["t"].table, ids)
   update = pe.make_gradient_update(ctx, lookup, {"f": jnp.ones((B, D))})
   _, table, opt_state, m = pe.gradient_update_start(
-      ctx, update, state["t"].table, pe.EmbOptState(state["t"].slots, state["t"].step))
+    ctx, update, state["t"].table, pe.EmbOptState(state["t"].slots, state["t"].step)
+  )
   _, valid, _ = pe.gradient_update_done(ctx)
   assert bool(valid) and int(m["invalid_ids"]) == len(WIDE)
   after = emb.logical_table({"t": pe.TableState(table, opt_state.slots, opt_state.step)}, "t")
@@ -112,8 +113,14 @@ def _loss_fn(params, acts, batch):
 def test_trainer_and_global_batches_convert_int64_ids_before_jit():
   emb = _emb(8, pe.FTRL(0.5))
   rng = np.random.default_rng(2)
-  batches = [{"ids": {"f": _ids(rng)}, "w": rng.normal(size=(B, D)).astype(np.float32),
-              "y": (rng.random(B) < 0.5).astype(np.float32)} for _ in range(3)]
+  batches = [
+    {
+      "ids": {"f": _ids(rng)},
+      "w": rng.normal(size=(B, D)).astype(np.float32),
+      "y": (rng.random(B) < 0.5).astype(np.float32),
+    }
+    for _ in range(3)
+  ]
   feed = GlobalBatches(None, B, NamedSharding(emb.mesh, P("x")))
   fed = feed.put(batches[0])["ids"]["f"]
   assert fed.dtype == jnp.int32
@@ -175,8 +182,14 @@ def test_x64_enabled_converts_in_the_graph():
   here = os.path.dirname(os.path.abspath(__file__))
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["PYTHONPATH"] = os.pathsep.join([here, os.path.dirname(here), env.get("PYTHONPATH", "")])
-  proc = subprocess.run([sys.executable, "-c", _X64_SCRIPT], env=env, cwd=here,
-                        capture_output=True, text=True, timeout=300)
+  proc = subprocess.run(
+    [sys.executable, "-c", _X64_SCRIPT],
+    env=env,
+    cwd=here,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = json.loads(proc.stdout.strip().splitlines()[-1])
   ids = _ids(np.random.default_rng(0))

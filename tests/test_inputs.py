@@ -9,9 +9,9 @@ two must agree bit for bit whatever order each adds in.
 import jax
 import numpy as np
 import pytest
+from conftest import make_mesh
 
 import pallas_emb as pe
-from conftest import make_mesh
 from pallas_emb import async_emb
 
 V, D, B = 48, 8, 16
@@ -19,8 +19,9 @@ V, D, B = 48, 8, 16
 
 def _emb(num_devices, combiner, opt=None):
   table = pe.TableSpec("t", V, D, optimizer=opt or pe.SGD(1.0))
-  return pe.ShardedEmbedding([table], [pe.FeatureSpec("f", "t", combiner)],
-                             make_mesh(num_devices), "x", "xla")
+  return pe.ShardedEmbedding(
+    [table], [pe.FeatureSpec("f", "t", combiner)], make_mesh(num_devices), "x", "xla"
+  )
 
 
 def _dyadic_table(rng):
@@ -29,11 +30,11 @@ def _dyadic_table(rng):
 
 def _weighted_bags(rng, L=4):
   ids = rng.integers(0, V, (B, L))
-  ids[1, 2:] = -1                       # padding
-  ids[2, 0] = V + 3                     # invalid: weighs nothing
+  ids[1, 2:] = -1  # padding
+  ids[2, 0] = V + 3  # invalid: weighs nothing
   w = (rng.integers(-4, 5, (B, L)) / 4).astype(np.float32)
-  w[3] = [0.5, -0.5, 0.0, 0.0]          # sums to 0
-  w[4] = 0.0                            # all zero
+  w[3] = [0.5, -0.5, 0.0, 0.0]  # sums to 0
+  w[4] = 0.0  # all zero
   return ids.astype(np.int32), w
 
 
@@ -62,7 +63,7 @@ def test_weighted_lookup_and_gradient_match_numpy(combiner):
   out = np.asarray(acts["f"])
   assert np.isfinite(out).all()
   np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
-  np.testing.assert_array_equal(out[4], 0.0)   # all weights 0
+  np.testing.assert_array_equal(out[4], 0.0)  # all weights 0
   if combiner == "mean":
     np.testing.assert_array_equal(out[3], 0.0)  # weights sum to 0
   g = (rng.integers(-4, 5, (B, D)) / 4).astype(np.float32)
@@ -93,9 +94,9 @@ def _bags(rng):
   lengths = rng.integers(0, 6, B)
   lengths[5] = 0
   bags = [rng.integers(0, V, n) for n in lengths]
-  bags[6][:1] = -1                      # padding inside a bag
+  bags[6][:1] = -1  # padding inside a bag
   if len(bags[7]):
-    bags[7][0] = V                      # invalid
+    bags[7][0] = V  # invalid
   weights = [(rng.integers(-4, 5, len(b)) / 4).astype(np.float32) for b in bags]
   return bags, weights
 
@@ -105,7 +106,7 @@ def _padded(bags, weights):
   ids = np.full((len(bags), L), -1, np.int32)
   w = np.zeros((len(bags), L), np.float32)
   for i, (b, wb) in enumerate(zip(bags, weights)):
-    ids[i, :len(b)], w[i, :len(b)] = b, wb
+    ids[i, : len(b)], w[i, : len(b)] = b, wb
   return ids, w
 
 
@@ -139,8 +140,9 @@ def test_ragged_equals_padded_bit_for_bit(num_devices, run):
   g = (rng.integers(-4, 5, (B, D)) / 4).astype(np.float32)
   for combiner, w in (("sum", None), ("mean", weights)):
     emb = _emb(num_devices, combiner)
-    ids, wp = _padded(bags, weights if w is not None else
-                      [np.ones(len(b), np.float32) for b in bags])
+    ids, wp = _padded(
+      bags, weights if w is not None else [np.ones(len(b), np.float32) for b in bags]
+    )
     padded = ids if w is None else pe.Weighted(ids, wp)
     rag = pe.ragged(bags, num_shards=num_devices, capacity=32, weights=w)
     want_acts, want_table, want_m = run(emb, table, padded, g)
@@ -152,15 +154,16 @@ def test_ragged_equals_padded_bit_for_bit(num_devices, run):
       np.testing.assert_array_equal(get(m, k), get(want_m, k))
     # The norm adds the same squares in another order (the token order
     # differs); "mean" weights w / sum(w) are not dyadic, so only "sum" is exact.
-    np.testing.assert_allclose(get(m, "grad_norm"), get(want_m, "grad_norm"),
-                               rtol=0 if combiner == "sum" else 1e-6)
+    np.testing.assert_allclose(
+      get(m, "grad_norm"), get(want_m, "grad_norm"), rtol=0 if combiner == "sum" else 1e-6
+    )
 
 
 def test_ragged_over_capacity_drops_and_counts():
   rng = np.random.default_rng(3)
   emb = _emb(2, "sum")
   table = _dyadic_table(rng)
-  bags = [np.arange(5) + i for i in range(B)]   # 40 ids per shard of 2
+  bags = [np.arange(5) + i for i in range(B)]  # 40 ids per shard of 2
   rag = pe.ragged(bags, num_shards=2, capacity=24)
   acts, _, m = _sync(emb, table, rag, np.zeros((B, D), np.float32))
   assert int(m.overflow_ids) == 2 * (40 - 24)
@@ -195,8 +198,9 @@ def test_bad_inputs_name_the_problem():
     pe.ragged_from_csr([1, 2, 3], [1, 1], num_shards=1, capacity=4)
   with pytest.raises(pe.InputError, match="positive multiple of num_shards=2"):
     pe.ragged([[1], [2], [3]], num_shards=2, capacity=4)
-  seq = pe.ShardedEmbedding([pe.TableSpec("t", V, D)], [pe.FeatureSpec("f", "t", None)],
-                            make_mesh(2), "x", "xla")
+  seq = pe.ShardedEmbedding(
+    [pe.TableSpec("t", V, D)], [pe.FeatureSpec("f", "t", None)], make_mesh(2), "x", "xla"
+  )
   with pytest.raises(pe.InputError, match="sequence.*Weighted"):
     seq.lookup(state, {"f": pe.Weighted(ids, np.ones((4, 2), np.float32))})
 
@@ -227,15 +231,23 @@ def test_clipping_scales_the_update_by_max_norm_over_norm():
   delta, m = _sgd_delta(base, table, ids, g)
   norm = float(m.grad_norm)
   clipped = pe.ShardedEmbedding(
-      [pe.TableSpec("t", V, D, optimizer=pe.SGD(1.0), max_grad_norm=norm / 4)],
-      base.features, base.mesh, "x", "xla")
+    [pe.TableSpec("t", V, D, optimizer=pe.SGD(1.0), max_grad_norm=norm / 4)],
+    base.features,
+    base.mesh,
+    "x",
+    "xla",
+  )
   got, mc = _sgd_delta(clipped, table, ids, g)
   np.testing.assert_allclose(got, delta * 0.25, rtol=1e-5, atol=1e-6)
   assert float(mc.grad_norm) == norm  # the metric stays the unclipped norm
   # Below the limit nothing changes, bit for bit.
   loose = pe.ShardedEmbedding(
-      [pe.TableSpec("t", V, D, optimizer=pe.SGD(1.0), max_grad_norm=norm * 2)],
-      base.features, base.mesh, "x", "xla")
+    [pe.TableSpec("t", V, D, optimizer=pe.SGD(1.0), max_grad_norm=norm * 2)],
+    base.features,
+    base.mesh,
+    "x",
+    "xla",
+  )
   np.testing.assert_array_equal(_sgd_delta(loose, table, ids, g)[0], delta)
   # One norm over all tables (here one table): the same scaling.
   got, _ = _sgd_delta(base, table, ids, g, max_global_norm=norm / 4)
@@ -276,12 +288,15 @@ def test_async_trainer_takes_ragged_bags_like_padded_ones():
   # The async pipeline: contexts sized from a ragged batch, pending updates
   # of ragged tokens (the sync one is the embedding API tested above).
   import optax
+
   from pallas_emb import data as data_lib
   from pallas_emb.data.feed import GlobalBatches
-  from pallas_emb.model import build_ranking
+  from pallas_emb.job.model import build_ranking
+
   dataset = data_lib.SyntheticClickLog(num_users=300, num_items=200, eval_examples=64)
-  emb, model = build_ranking(dataset, make_mesh(4), emb_dim=8, backend="xla",
-                             optimizer=pe.RowWiseAdagrad(0.05))
+  emb, model = build_ranking(
+    dataset, make_mesh(4), emb_dim=8, backend="xla", optimizer=pe.RowWiseAdagrad(0.05)
+  )
   feed = GlobalBatches(dataset, 32, emb.sharding())
   config = pe.TrainConfig(use_async_emb=True)
 
@@ -291,8 +306,7 @@ def test_async_trainer_takes_ragged_bags_like_padded_ones():
       host = dataset.train_batch(i, 32)
       if ragged:
         h = host["ids"]["history"]
-        host["ids"]["history"] = pe.ragged([r[r >= 0] for r in h], num_shards=4,
-                                           capacity=8 * 8)
+        host["ids"]["history"] = pe.ragged([r[r >= 0] for r in h], num_shards=4, capacity=8 * 8)
       out.append(feed.put(host))
     return out
 
@@ -311,13 +325,16 @@ def test_async_trainer_takes_ragged_bags_like_padded_ones():
 @pytest.mark.parametrize("max_norm", [None, 0.5])
 def test_stacked_weighted_and_ragged_features_equal_unstacked(max_norm):
   rng = np.random.default_rng(7)
-  tables = [pe.TableSpec(n, V, D, optimizer=pe.Adagrad(0.25), max_grad_norm=max_norm)
-            for n in ("a", "c")]
+  tables = [
+    pe.TableSpec(n, V, D, optimizer=pe.Adagrad(0.25), max_grad_norm=max_norm) for n in ("a", "c")
+  ]
   feats = [pe.FeatureSpec("fa", "a", "mean"), pe.FeatureSpec("fc", "c", "sqrtn")]
   bags, weights = _bags(rng)
   ids, w = _padded(bags, weights)
-  inputs = {"fa": pe.Weighted(ids, w),
-            "fc": pe.ragged(bags, num_shards=8, capacity=32, weights=weights)}
+  inputs = {
+    "fa": pe.Weighted(ids, w),
+    "fc": pe.ragged(bags, num_shards=8, capacity=32, weights=weights),
+  }
   g = {f: (rng.integers(-4, 5, (B, D)) / 4).astype(np.float32) for f in ("fa", "fc")}
   out = {}
   for mode in ("off", "auto"):

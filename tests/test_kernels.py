@@ -8,29 +8,33 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
-from jax.experimental.pallas import tpu as pltpu
-from jax.sharding import NamedSharding, PartitionSpec as P
-
-import pallas_emb as pe
 import tpu_lowering
 from conftest import make_mesh
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pallas_emb as pe
 from pallas_emb import packing
-from pallas_emb.kernels import xla
 from pallas_emb.kernels import chip as chip_lib
-from pallas_emb.kernels.fused_update import fused_update, vmem_footprint_bytes
-from pallas_emb.kernels.gather import gather
-from pallas_emb.kernels.gather import vmem_footprint_bytes as gather_vmem_footprint_bytes
+from pallas_emb.kernels import xla
+from pallas_emb.kernels.pallas_gather import gather
+from pallas_emb.kernels.pallas_gather import vmem_footprint_bytes as gather_vmem_footprint_bytes
+from pallas_emb.kernels.pallas_update import fused_update, vmem_footprint_bytes
 
 INTERPRET = pltpu.InterpretParams()
 # The detector needs a vector clock entry per DMA in flight to see DMA-DMA
 # races, not just one per core (the default).
 RACES = pltpu.InterpretParams(detect_races=True, vector_clock_size=8)
 
-OPTIMIZERS = [pe.SGD(0.5), pe.Adagrad(0.25),
-              pe.RowWiseAdagrad(0.1, half_life_steps=3, lazy_decay=True, weight_decay=0.01),
-              pe.LazyAdam(0.05),
-              pe.FTRL(0.1, learning_rate_power=-0.6, l1=0.5, l2=0.02, beta=0.1)]
+OPTIMIZERS = [
+  pe.SGD(0.5),
+  pe.Adagrad(0.25),
+  pe.RowWiseAdagrad(0.1, half_life_steps=3, lazy_decay=True, weight_decay=0.01),
+  pe.LazyAdam(0.05),
+  pe.FTRL(0.1, learning_rate_power=-0.6, l1=0.5, l2=0.02, beta=0.1),
+]
 OPT_IDS = [type(o).__name__ for o in OPTIMIZERS]
 DTYPES = [jnp.float32, jnp.bfloat16]
 DTYPE_IDS = ["f32", "bf16"]
@@ -67,7 +71,7 @@ def _rows(case, rng, num_rows=NUM_ROWS):
     return _ascending(rng, num_rows, 2 * CHUNK + 8), True
   if case == "padding_last":  # -1 after the ids, mid-chunk, last chunk partial
     rows = np.full(2 * CHUNK + 4, -1, np.int32)
-    rows[:CHUNK + 5] = _ascending(rng, num_rows, CHUNK + 5)
+    rows[: CHUNK + 5] = _ascending(rng, num_rows, CHUNK + 5)
     return rows, True
   if case == "all_padding":
     return np.full(CHUNK + 8, -1, np.int32), True
@@ -76,8 +80,7 @@ def _rows(case, rng, num_rows=NUM_ROWS):
   raise ValueError(case)
 
 
-CASES = ["full_chunks", "partial_last_chunk", "padding_last", "all_padding",
-         "apply_false"]
+CASES = ["full_chunks", "partial_last_chunk", "padding_last", "all_padding", "apply_false"]
 
 
 def _assert_same(got, want, msg=""):
@@ -91,10 +94,9 @@ def _assert_same(got, want, msg=""):
 def _update_fn(impl, opt, dtype, **kw):
   def fn(table, slots, rows, grads, scalars, apply):
     if impl == "xla":
-      return xla.fused_update(table, slots, rows, grads, scalars, apply,
-                              optimizer=opt, dtype=dtype)
-    return fused_update(table, slots, rows, grads, scalars, apply, optimizer=opt,
-                        dtype=dtype, **kw)
+      return xla.fused_update(table, slots, rows, grads, scalars, apply, optimizer=opt, dtype=dtype)
+    return fused_update(table, slots, rows, grads, scalars, apply, optimizer=opt, dtype=dtype, **kw)
+
   return fn
 
 
@@ -108,8 +110,7 @@ def test_fused_update_equals_xla_bit_for_bit(opt, dtype, case):
   grads = rng.normal(size=(rows.size, DIM)).astype(np.float32)
   args = (table, slots, rows, grads, opt.scalars(jnp.int32(STEP)), apply)
   want = jax.jit(_update_fn("xla", opt, dtype))(*args)
-  got = jax.jit(_update_fn("pallas", opt, dtype, interpret=INTERPRET,
-                           chunk_rows=CHUNK))(*args)
+  got = jax.jit(_update_fn("pallas", opt, dtype, interpret=INTERPRET, chunk_rows=CHUNK))(*args)
   _assert_same(got[0], want[0], "table")
   assert set(got[1]) == set(slots)
   for k in slots:
@@ -132,8 +133,9 @@ def test_gather_equals_xla_bit_for_bit(dtype, case):
   table, _ = _state(pe.SGD(), dtype, rng)
   rows, _ = _rows(case, rng)
   want = jax.jit(lambda t, r: xla.gather(t, r, dtype=dtype))(table, rows)
-  got = jax.jit(lambda t, r: gather(t, r, dtype=dtype, interpret=INTERPRET,
-                                    chunk_rows=CHUNK))(table, rows)
+  got = jax.jit(lambda t, r: gather(t, r, dtype=dtype, interpret=INTERPRET, chunk_rows=CHUNK))(
+    table, rows
+  )
   _assert_same(got, want)
   assert got.shape == (rows.size, DIM)
   assert (np.asarray(got)[rows < 0] == 0).all()
@@ -151,8 +153,10 @@ def test_default_chunk_covers_ids_in_one_step_and_interpret_true_works():
   got = jax.jit(_update_fn("pallas", opt, jnp.float32, interpret=True))(*args)
   _assert_same(got[0], want[0])
   _assert_same(got[1]["acc"], want[1]["acc"])
-  _assert_same(gather(table, rows, dtype=jnp.float32, interpret=True),
-               xla.gather(table, rows, dtype=jnp.float32))
+  _assert_same(
+    gather(table, rows, dtype=jnp.float32, interpret=True),
+    xla.gather(table, rows, dtype=jnp.float32),
+  )
 
 
 @pytest.mark.parametrize("opt", OPTIMIZERS[2:], ids=OPT_IDS[2:])
@@ -164,24 +168,34 @@ def test_ids_stream_through_smem_in_windows(opt):
   grads = rng.normal(size=(rows.size, DIM)).astype(np.float32)
   args = (table, slots, rows, grads, opt.scalars(jnp.int32(STEP)), True)
   want = jax.jit(_update_fn("xla", opt, jnp.float32))(*args)
-  got = jax.jit(_update_fn("pallas", opt, jnp.float32, interpret=INTERPRET,
-                           chunk_rows=8, window_rows=CHUNK))(*args)
+  got = jax.jit(
+    _update_fn("pallas", opt, jnp.float32, interpret=INTERPRET, chunk_rows=8, window_rows=CHUNK)
+  )(*args)
   _assert_same(got[0], want[0], "table")
   for k in slots:
     _assert_same(got[1][k], want[1][k], f"slot {k}")
   rows = jnp.asarray(rows)
-  _assert_same(gather(table, rows, dtype=jnp.float32, interpret=INTERPRET,
-                      chunk_rows=8, window_rows=CHUNK),
-               xla.gather(table, rows, dtype=jnp.float32))
+  _assert_same(
+    gather(table, rows, dtype=jnp.float32, interpret=INTERPRET, chunk_rows=8, window_rows=CHUNK),
+    xla.gather(table, rows, dtype=jnp.float32),
+  )
 
 
 def test_zero_ids_is_a_no_op():
   opt = pe.SGD()
   table, slots = _state(opt, jnp.float32, np.random.default_rng(3))
   empty = np.zeros((0,), np.int32)
-  got, _ = fused_update(table, slots, empty, np.zeros((0, DIM), np.float32),
-                        opt.scalars(0), True, optimizer=opt, dtype=jnp.float32,
-                        interpret=True)
+  got, _ = fused_update(
+    table,
+    slots,
+    empty,
+    np.zeros((0, DIM), np.float32),
+    opt.scalars(0),
+    True,
+    optimizer=opt,
+    dtype=jnp.float32,
+    interpret=True,
+  )
   _assert_same(got, table)
   assert gather(table, empty, dtype=jnp.float32, interpret=True).shape == (0, DIM)
 
@@ -207,25 +221,36 @@ def test_kernels_under_shard_map_equal_xla(opt, dtype):
   grads = rng.normal(size=(n * SHARD_IDS, DIM)).astype(np.float32)
   scalars = opt.scalars(jnp.int32(STEP))
   put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
-  args = (put(table, P("x")), {k: put(v, P("x")) for k, v in slots.items()},
-          put(rows.reshape(-1), P("x")), put(grads, P("x")), put(scalars, P()),
-          put(apply, P("x")))
+  args = (
+    put(table, P("x")),
+    {k: put(v, P("x")) for k, v in slots.items()},
+    put(rows.reshape(-1), P("x")),
+    put(grads, P("x")),
+    put(scalars, P()),
+    put(apply, P("x")),
+  )
 
   def run(impl):
     def shard_fn(table, slots, rows, grads, scalars, apply):
       kw = {} if impl == "xla" else dict(interpret=INTERPRET, chunk_rows=SHARD_CHUNK)
       new_table, new_slots = _update_fn(impl, opt, dtype, **kw)(
-          table, slots, rows, grads, scalars, apply[0])
+        table, slots, rows, grads, scalars, apply[0]
+      )
       if impl == "xla":
         out = xla.gather(new_table, rows, dtype=dtype)
       else:
-        out = gather(new_table, rows, dtype=dtype, chunk_rows=SHARD_CHUNK,
-                     interpret=INTERPRET)
+        out = gather(new_table, rows, dtype=dtype, chunk_rows=SHARD_CHUNK, interpret=INTERPRET)
       return new_table, new_slots, out
 
-    return jax.jit(jax.shard_map(
-        shard_fn, mesh=mesh, in_specs=(P("x"), P("x"), P("x"), P("x"), P(), P("x")),
-        out_specs=P("x"), check_vma=False))(*args)
+    return jax.jit(
+      jax.shard_map(
+        shard_fn,
+        mesh=mesh,
+        in_specs=(P("x"), P("x"), P("x"), P("x"), P(), P("x")),
+        out_specs=P("x"),
+        check_vma=False,
+      )
+    )(*args)
 
   want, got = run("xla"), run("pallas")
   _assert_same(got[0], want[0], "table")
@@ -238,9 +263,11 @@ def test_kernels_under_shard_map_equal_xla(opt, dtype):
     _assert_same(np.asarray(got[0])[block], table[block], f"shard {s}")
 
 
-@pytest.mark.parametrize("opt,dtype", [
-    (OPTIMIZERS[2], jnp.float32), (OPTIMIZERS[3], jnp.bfloat16)],
-    ids=["RowWiseAdagrad-f32", "LazyAdam-bf16"])
+@pytest.mark.parametrize(
+  "opt,dtype",
+  [(OPTIMIZERS[2], jnp.float32), (OPTIMIZERS[3], jnp.bfloat16)],
+  ids=["RowWiseAdagrad-f32", "LazyAdam-bf16"],
+)
 def test_sharded_embedding_interpret_equals_xla(opt, dtype):
   def train(backend):
     # 128 rows per shard: the kernels, not the XLA fallback, update the
@@ -252,8 +279,10 @@ def test_sharded_embedding_interpret_equals_xla(opt, dtype):
     state = emb.init(jax.random.key(7))
     acts_log = []
     for _ in range(2):
-      ids = {"bag": rng.integers(-1, 8 * 128, (16, 3)).astype(np.int32),
-             "seq": rng.integers(0, 8 * 128 + 3, (16, 2)).astype(np.int32)}
+      ids = {
+        "bag": rng.integers(-1, 8 * 128, (16, 3)).astype(np.int32),
+        "seq": rng.integers(0, 8 * 128 + 3, (16, 2)).astype(np.int32),
+      }
       acts, res = emb.lookup(state, ids)
       acts_log.append(acts)
       grads = {k: rng.normal(size=v.shape).astype(np.float32) for k, v in acts.items()}
@@ -293,9 +322,20 @@ def test_race_detector_sees_duplicate_ids_and_nothing_else(duplicate):
   if duplicate:  # the same row twice in one chunk: two write-backs race
     rows[5] = rows[4]
   grads = rng.normal(size=(rows.size, DIM)).astype(np.float32)
-  found = _races_found(lambda: fused_update(
-      table, slots, rows, grads, opt.scalars(jnp.int32(STEP)), True, optimizer=opt,
-      dtype=jnp.float32, interpret=RACES, chunk_rows=CHUNK))
+  found = _races_found(
+    lambda: fused_update(
+      table,
+      slots,
+      rows,
+      grads,
+      opt.scalars(jnp.int32(STEP)),
+      True,
+      optimizer=opt,
+      dtype=jnp.float32,
+      interpret=RACES,
+      chunk_rows=CHUNK,
+    )
+  )
   assert found == duplicate
 
 
@@ -303,10 +343,11 @@ def test_gather_has_no_races_even_with_duplicate_ids():
   # Reads never race with reads: the lookup may gather a row twice.
   rng = np.random.default_rng(7)
   table, _ = _state(pe.SGD(), jnp.bfloat16, rng)
-  rows = rng.permutation(NUM_ROWS)[:2 * CHUNK].astype(np.int32)
+  rows = rng.permutation(NUM_ROWS)[: 2 * CHUNK].astype(np.int32)
   rows[5] = rows[4]
-  assert not _races_found(lambda: gather(table, rows, dtype=jnp.bfloat16,
-                                         interpret=RACES, chunk_rows=CHUNK))
+  assert not _races_found(
+    lambda: gather(table, rows, dtype=jnp.bfloat16, interpret=RACES, chunk_rows=CHUNK)
+  )
 
 
 # -- lowering for TPU --------------------------------------------------------------
@@ -315,11 +356,16 @@ def test_gather_has_no_races_even_with_duplicate_ids():
 def _abstract_update_args(opt, dtype, num_rows, dim, num_ids):
   sds = jax.ShapeDtypeStruct
   table = sds((num_rows, packing.storage_width(dim, dtype)), packing.storage_dtype(dtype))
-  slots = {k: sds(s.shape_for(num_rows, dim), s.dtype)
-           for k, s in opt.slot_specs().items()}
+  slots = {k: sds(s.shape_for(num_rows, dim), s.dtype) for k, s in opt.slot_specs().items()}
   scalars = jax.tree.map(lambda _: sds((), jnp.float32), opt.scalars(jnp.int32(0)))
-  return (table, slots, sds((num_ids,), jnp.int32), sds((num_ids, dim), jnp.float32),
-          scalars, sds((), jnp.bool_))
+  return (
+    table,
+    slots,
+    sds((num_ids,), jnp.int32),
+    sds((num_ids, dim), jnp.float32),
+    scalars,
+    sds((), jnp.bool_),
+  )
 
 
 @pytest.mark.parametrize("dim", [16, 256])  # bf16 halves of 8 (unaligned) and 128 lanes
@@ -329,7 +375,8 @@ def _abstract_update_args(opt, dtype, num_rows, dim, num_ids):
 def test_fused_update_lowers_for_tpu(kind, opt, dtype, dim):
   args = _abstract_update_args(opt, dtype, 1024, dim, 200)
   exported = tpu_lowering.export_for_tpu(
-      lambda *a: fused_update(*a, optimizer=opt, dtype=dtype), *args, device_kind=kind)
+    lambda *a: fused_update(*a, optimizer=opt, dtype=dtype), *args, device_kind=kind
+  )
   [call] = tpu_lowering.mosaic_calls(exported)
   # In place: each of table and slots is an output aliased to its operand.
   assert call.count("output_operand_alias<") == 1 + len(opt.slot_specs())
@@ -343,8 +390,8 @@ def test_gather_lowers_for_tpu(kind, dtype, dim):
   sds = jax.ShapeDtypeStruct
   table = sds((1000, packing.storage_width(dim, dtype)), packing.storage_dtype(dtype))
   exported = tpu_lowering.export_for_tpu(
-      lambda t, r: gather(t, r, dtype=dtype), table, sds((200,), jnp.int32),
-      device_kind=kind)
+    lambda t, r: gather(t, r, dtype=dtype), table, sds((200,), jnp.int32), device_kind=kind
+  )
   [call] = tpu_lowering.mosaic_calls(exported)
   assert "_gather_kernel" in call
   assert exported.out_avals[0].shape == (200, dim)
@@ -356,13 +403,13 @@ def test_export_sizes_vmem_for_the_abstract_chip():
   opt, dim = pe.LazyAdam(), 2048
   widths = [dim, dim, 1]
   chunk = 768
-  footprint = vmem_footprint_bytes(dim=dim, dtype=jnp.float32, slot_widths=widths,
-                                   chunk_rows=chunk)
+  footprint = vmem_footprint_bytes(dim=dim, dtype=jnp.float32, slot_widths=widths, chunk_rows=chunk)
   assert 64 * 2**20 < footprint <= 128 * 2**20
   args = _abstract_update_args(opt, jnp.float32, 4096, dim, chunk)
   fn = lambda *a: fused_update(*a, optimizer=opt, dtype=jnp.float32, chunk_rows=chunk)
   [call] = tpu_lowering.mosaic_calls(
-      tpu_lowering.export_for_tpu(fn, *args, device_kind="TPU v5 lite"))
+    tpu_lowering.export_for_tpu(fn, *args, device_kind="TPU v5 lite")
+  )
   [limit] = map(int, re.findall(r"size\\22: (\d+)", call))
   assert footprint <= limit <= 128 * 2**20
   with pytest.raises(pe.VmemBudgetError, match="v5p"):
@@ -378,14 +425,16 @@ def test_vmem_footprint_counts_padded_tiles():
   # its old and new (C, 1) values padded to 128 lanes, and a carried group
   # padded to 8 sublanes.
   c = 128
-  assert vmem_footprint_bytes(dim=128, dtype=jnp.float32, slot_widths=[1],
-                              chunk_rows=c) == (12 * c * 128 + 8 * 128) * 4
+  assert (
+    vmem_footprint_bytes(dim=128, dtype=jnp.float32, slot_widths=[1], chunk_rows=c)
+    == (12 * c * 128 + 8 * 128) * 4
+  )
   # The gather: 2 row buffers, 2 output blocks and the unpacked rows.
-  assert gather_vmem_footprint_bytes(dim=128, dtype=jnp.float32,
-                                     chunk_rows=c) == 5 * c * 128 * 4
+  assert gather_vmem_footprint_bytes(dim=128, dtype=jnp.float32, chunk_rows=c) == 5 * c * 128 * 4
   # bf16 rows move as half as many words.
-  assert (vmem_footprint_bytes(dim=256, dtype=jnp.bfloat16, slot_widths=[], chunk_rows=8)
-          < vmem_footprint_bytes(dim=256, dtype=jnp.float32, slot_widths=[], chunk_rows=8))
+  assert vmem_footprint_bytes(
+    dim=256, dtype=jnp.bfloat16, slot_widths=[], chunk_rows=8
+  ) < vmem_footprint_bytes(dim=256, dtype=jnp.float32, slot_widths=[], chunk_rows=8)
 
 
 def test_vmem_budget_error_names_footprint_vmem_chunk_and_a_chunk_that_fits():
@@ -393,23 +442,39 @@ def test_vmem_budget_error_names_footprint_vmem_chunk_and_a_chunk_that_fits():
   table, slots = (np.zeros((8, dim), np.float32), {"acc": np.zeros((8, dim), np.float32)})
   rows = np.full((chunk,), -1, np.int32)
   grads = np.zeros((chunk, dim), np.float32)
-  footprint = vmem_footprint_bytes(dim=dim, dtype=jnp.float32, slot_widths=[dim],
-                                   chunk_rows=chunk)
+  footprint = vmem_footprint_bytes(dim=dim, dtype=jnp.float32, slot_widths=[dim], chunk_rows=chunk)
   with pytest.raises(pe.VmemBudgetError) as err:
-    fused_update(table, slots, rows, grads, opt.scalars(0), True, optimizer=opt,
-                 dtype=jnp.float32, chunk_rows=chunk, target="v6e")
+    fused_update(
+      table,
+      slots,
+      rows,
+      grads,
+      opt.scalars(0),
+      True,
+      optimizer=opt,
+      dtype=jnp.float32,
+      chunk_rows=chunk,
+      target="v6e",
+    )
   msg = str(err.value)
   vmem = pltpu.get_tpu_info_for_chip(pltpu.ChipVersion.TPU_V6E, 1).vmem_capacity_bytes
   assert str(footprint) in msg and str(vmem) in msg and f"chunk_rows={chunk}" in msg
   [fits] = map(int, re.findall(r"use chunk_rows=(\d+)", msg))
   assert fits % 8 == 0
-  assert vmem_footprint_bytes(dim=dim, dtype=jnp.float32, slot_widths=[dim],
-                              chunk_rows=fits) <= vmem
-  assert vmem_footprint_bytes(dim=dim, dtype=jnp.float32, slot_widths=[dim],
-                              chunk_rows=fits + 8) > vmem
+  assert (
+    vmem_footprint_bytes(dim=dim, dtype=jnp.float32, slot_widths=[dim], chunk_rows=fits) <= vmem
+  )
+  assert (
+    vmem_footprint_bytes(dim=dim, dtype=jnp.float32, slot_widths=[dim], chunk_rows=fits + 8) > vmem
+  )
   with pytest.raises(pe.VmemBudgetError, match="v6e"):
-    gather(table, np.full((4096,), -1, np.int32), dtype=jnp.float32, chunk_rows=4096,
-           target="TPU v6 lite")
+    gather(
+      table,
+      np.full((4096,), -1, np.int32),
+      dtype=jnp.float32,
+      chunk_rows=4096,
+      target="TPU v6 lite",
+    )
 
 
 def test_chip_targets_by_name_kind_or_version():
@@ -418,7 +483,8 @@ def test_chip_targets_by_name_kind_or_version():
   assert chip_lib.resolve_chip("TPU v5").name == "v5p"
   # Off TPU the kernels size for the smallest VMEM of v5e, v6e and v5p.
   assert chip_lib.resolve_chip().vmem_bytes == min(
-      chip_lib.resolve_chip(v).vmem_bytes for v in ("v5e", "v6e", "v5p"))
+    chip_lib.resolve_chip(v).vmem_bytes for v in ("v5e", "v6e", "v5p")
+  )
   with tpu_lowering.tpu_target("TPU v6 lite"):
     assert chip_lib.resolve_chip().name == "v6e"
   with pytest.raises(pe.ConfigError, match="v9"):
@@ -428,15 +494,29 @@ def test_chip_targets_by_name_kind_or_version():
 def _call_update(**overrides):
   opt = overrides.pop("optimizer", pe.RowWiseAdagrad())
   table, slots = _state(opt, jnp.float32, np.random.default_rng(8))
-  kw = dict(table=table, slots=slots, rows=np.arange(8, dtype=np.int32),
-            grads=np.zeros((8, DIM), np.float32), scalars=opt.scalars(0), apply=True,
-            optimizer=opt, dtype=jnp.float32, interpret=True)
+  kw = dict(
+    table=table,
+    slots=slots,
+    rows=np.arange(8, dtype=np.int32),
+    grads=np.zeros((8, DIM), np.float32),
+    scalars=opt.scalars(0),
+    apply=True,
+    optimizer=opt,
+    dtype=jnp.float32,
+    interpret=True,
+  )
   kw.update(overrides)
   return fused_update(**kw)
 
 
-@pytest.mark.parametrize("overrides,error,match", [
-    (dict(rows=np.arange(8, dtype=np.int64)), pe.InputError, r"int32.*pallas_emb.int32_ids\(rows\)"),
+@pytest.mark.parametrize(
+  "overrides,error,match",
+  [
+    (
+      dict(rows=np.arange(8, dtype=np.int64)),
+      pe.InputError,
+      r"int32.*pallas_emb.int32_ids\(rows\)",
+    ),
     (dict(rows=np.zeros((2, 4), np.int32)), pe.InputError, r"1-D int32.*\[2, 4\]"),
     (dict(grads=np.zeros((8, DIM + 1), np.float32)), pe.InputError, r"float32\[8, 16\]"),
     (dict(grads=np.zeros((8, DIM), np.float16)), pe.InputError, "float16"),
@@ -449,9 +529,23 @@ def _call_update(**overrides):
     (dict(chunk_rows=True), pe.ConfigError, "multiple of 8"),
     (dict(interpret="yes"), pe.ConfigError, "InterpretParams"),
     (dict(target="TPU v9"), pe.ConfigError, "TPU v9"),
-], ids=["rows-int64", "rows-2d", "grads-shape", "grads-dtype", "slots-missing",
-        "slot-shape", "table-dtype", "scalars-tuple", "chunk-12", "chunk-0",
-        "chunk-bool", "interpret-str", "target-unknown"])
+  ],
+  ids=[
+    "rows-int64",
+    "rows-2d",
+    "grads-shape",
+    "grads-dtype",
+    "slots-missing",
+    "slot-shape",
+    "table-dtype",
+    "scalars-tuple",
+    "chunk-12",
+    "chunk-0",
+    "chunk-bool",
+    "interpret-str",
+    "target-unknown",
+  ],
+)
 def test_fused_update_rejects_bad_arguments(overrides, error, match):
   with pytest.raises(error, match=match):
     _call_update(**overrides)

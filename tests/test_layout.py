@@ -57,6 +57,7 @@ def test_reshard_preserves_the_logical_table(src, dst):
 
 def test_layout_works_on_jax_arrays():
   import jax.numpy as jnp
+
   layout = RowLayout(30, 4)
   logical = jnp.arange(30.0).reshape(30, 1)
   np.testing.assert_array_equal(layout.to_logical(layout.to_physical(logical)), logical)

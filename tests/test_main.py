@@ -14,11 +14,12 @@ import jax
 import numpy as np
 import pytest
 from absl import flags
+from conftest import small_trainer
 
 import pallas_emb as pe
-from conftest import small_trainer
-from pallas_emb import main as main_lib
-from pallas_emb import supervisor
+from pallas_emb.job import flags as job_flags
+from pallas_emb.job import run as main_lib
+from pallas_emb.job import supervisor
 from pallas_emb.train.checkpoint import Checkpointer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,9 +46,12 @@ def _compilation_cache(tmp_path_factory):
 def _env():
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)  # the job sets its own from --devices
-  env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=_CACHE_DIR,
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  env.update(
+    JAX_PLATFORMS="cpu",
+    JAX_COMPILATION_CACHE_DIR=_CACHE_DIR,
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+  )
   return env
 
 
@@ -59,8 +63,13 @@ def _job(*args, timeout=300):
   """`python -m pallas_emb ...` bounded by a timeout that really kills
   (jax.distributed catches SIGTERM, hence -k)."""
   return subprocess.Popen(
-      ["timeout", "-k", "5", str(timeout), sys.executable, "-m", "pallas_emb", *SMALL, *args],
-      cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ["timeout", "-k", "5", str(timeout), sys.executable, "-m", "pallas_emb", *SMALL, *args],
+    cwd=REPO,
+    env=_env(),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+  )
 
 
 def _finish(proc):
@@ -72,15 +81,26 @@ def _finish(proc):
 def test_short_run_learns(tmp_path):
   # Measured: 150 steps of 512 reach eval AUC ~0.72 (the planted model's own
   # AUC is 0.83); 0.65 leaves room for seed-to-seed variation.
-  report = _run_in_process("--steps=150", "--batch_size=512", "--log_every=1000",
-                           f"--report_json={tmp_path}/r.json")
+  report = _run_in_process(
+    "--steps=150", "--batch_size=512", "--log_every=1000", f"--report_json={tmp_path}/r.json"
+  )
   saved = json.loads((tmp_path / "r.json").read_text())
   assert saved == json.loads(json.dumps(report))
   assert report["eval_auc"] > 0.65, report
   assert report["final_train_loss"] < report["initial_train_loss"] - 0.05
-  for key in ("steps", "final_train_loss", "eval_auc", "eval_logloss", "examples_per_sec",
-              "emb_updates_skipped", "invalid_ids", "overflow_ids", "devices", "backend",
-              "async_emb"):
+  for key in (
+    "steps",
+    "final_train_loss",
+    "eval_auc",
+    "eval_logloss",
+    "examples_per_sec",
+    "emb_updates_skipped",
+    "invalid_ids",
+    "overflow_ids",
+    "devices",
+    "backend",
+    "async_emb",
+  ):
     assert key in report
   assert report["devices"] == 8 and report["async_emb"] is True
   assert report["emb_updates_skipped"] == 0 and report["overflow_ids"] == 0
@@ -88,8 +108,8 @@ def test_short_run_learns(tmp_path):
 
 def test_every_optimizer_flag_has_a_default_rate_and_ftrl_is_one():
   choices = flags.FLAGS["optimizer"].parser.enum_values
-  assert "ftrl" in choices and sorted(main_lib._DEFAULT_LR) == sorted(choices)
-  opt = main_lib._embedding_optimizer("ftrl", main_lib._DEFAULT_LR["ftrl"])
+  assert "ftrl" in choices and sorted(job_flags.DEFAULT_LR) == sorted(choices)
+  opt = job_flags.embedding_optimizer("ftrl")
   assert opt == pe.FTRL(5.0) and pe.supports_async_emb(opt)
 
 
@@ -112,8 +132,13 @@ def test_kill_and_resume_is_bit_identical(tmp_path):
   victim.send_signal(signal.SIGKILL)  # the `timeout` wrapper: kill the job itself too
   subprocess.run(["pkill", "-9", "-f", f"--checkpoint_dir={ckpt}"], check=False)
   victim.wait()
-  resumed = _job(*common, f"--checkpoint_dir={ckpt}", "--checkpoint_every=10", "--resume",
-                 f"--save_tables={tmp_path}/resumed.npz")
+  resumed = _job(
+    *common,
+    f"--checkpoint_dir={ckpt}",
+    "--checkpoint_every=10",
+    "--resume",
+    f"--save_tables={tmp_path}/resumed.npz",
+  )
   out = _finish(resumed)
   assert "resumed from step" in out
   ref, got = np.load(tmp_path / "ref.npz"), np.load(tmp_path / "resumed.npz")
@@ -123,11 +148,20 @@ def test_kill_and_resume_is_bit_identical(tmp_path):
   # Damage the newest step: a resume skips it, says why, continues from the
   # newest intact step, and still ends bit-identical.
   newest = ckpt / "40"
-  data = max((p for p in newest.rglob("*") if p.is_file() and p.parent.name == "d"),
-             key=lambda p: p.stat().st_size)
+  data = max(
+    (p for p in newest.rglob("*") if p.is_file() and p.parent.name == "d"),
+    key=lambda p: p.stat().st_size,
+  )
   data.write_bytes(data.read_bytes()[:100])
-  out = _finish(_job(*common, f"--checkpoint_dir={ckpt}", "--checkpoint_every=10",
-                     "--resume", f"--save_tables={tmp_path}/again.npz"))
+  out = _finish(
+    _job(
+      *common,
+      f"--checkpoint_dir={ckpt}",
+      "--checkpoint_every=10",
+      "--resume",
+      f"--save_tables={tmp_path}/again.npz",
+    )
+  )
   assert "checkpoint step 40 is not intact, skipped (kept as 40.corrupt)" in out, out[-3000:]
   assert "resumed from step 30" in out
   got = np.load(tmp_path / "again.npz")
@@ -137,8 +171,9 @@ def test_kill_and_resume_is_bit_identical(tmp_path):
 
 def _trainer(num_devices, layout="mod"):
   trainer, model, feeder = small_trainer(num_devices, layout)
-  state = trainer.init(model.init(jax.random.key(1)), trainer.emb.init(jax.random.key(2)),
-                       feeder.train(0))
+  state = trainer.init(
+    model.init(jax.random.key(1)), trainer.emb.init(jax.random.key(2)), feeder.train(0)
+  )
   return trainer, state, feeder
 
 
@@ -152,8 +187,9 @@ def test_restore_written_on_8_devices_onto_4(tmp_path):
   state4 = Checkpointer(str(tmp_path), tr4).restore(template, feed4.train)
   assert int(state4.step) == 3
   for name in ("user", "item", "category"):
-    np.testing.assert_array_equal(tr4.emb.logical_table(state4.tables, name),
-                                  tr8.emb.logical_table(state8.tables, name))
+    np.testing.assert_array_equal(
+      tr4.emb.logical_table(state4.tables, name), tr8.emb.logical_table(state8.tables, name)
+    )
     for k, v in tr8.emb.logical_slots(state8.tables, name).items():
       np.testing.assert_array_equal(tr4.emb.logical_slots(state4.tables, name)[k], v)
   # The pending update (step 2's gradient) survived the resharding: applying
@@ -162,8 +198,12 @@ def test_restore_written_on_8_devices_onto_4(tmp_path):
   state8, _ = tr8.flush(state8)
   state4, _ = tr4.flush(state4)
   for name in ("user", "item", "category"):
-    np.testing.assert_allclose(tr4.emb.logical_table(state4.tables, name),
-                               tr8.emb.logical_table(state8.tables, name), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+      tr4.emb.logical_table(state4.tables, name),
+      tr8.emb.logical_table(state8.tables, name),
+      rtol=1e-6,
+      atol=1e-7,
+    )
 
 
 def test_restore_into_another_layout_kind(tmp_path):
@@ -172,12 +212,14 @@ def test_restore_into_another_layout_kind(tmp_path):
   for t in range(2):
     state8, _ = tr8.step(state8, feed8.train(t), feed8.train(t + 1))
   Checkpointer(str(tmp_path), tr8).save(
-      state8, {f.name: (64, f.bag_size) for f in feed8.dataset.features})
+    state8, {f.name: (64, f.bag_size) for f in feed8.dataset.features}
+  )
   tr_r, template, feed_r = _trainer(8, layout="range")
   restored = Checkpointer(str(tmp_path), tr_r).restore(template, feed_r.train)
   for name in ("user", "item", "category"):
-    np.testing.assert_array_equal(tr_r.emb.logical_table(restored.tables, name),
-                                  tr8.emb.logical_table(state8.tables, name))
+    np.testing.assert_array_equal(
+      tr_r.emb.logical_table(restored.tables, name), tr8.emb.logical_table(state8.tables, name)
+    )
 
 
 def _free_port():
@@ -188,13 +230,28 @@ def _free_port():
 
 def test_two_processes_match_one_process(tmp_path):
   common = ["--steps=10"]
-  _finish(_job(*common, "--devices=8", f"--save_tables={tmp_path}/sp.npz",
-               f"--report_json={tmp_path}/sp.json"))
+  _finish(
+    _job(
+      *common,
+      "--devices=8",
+      f"--save_tables={tmp_path}/sp.npz",
+      f"--report_json={tmp_path}/sp.json",
+    )
+  )
   port = _free_port()
-  procs = [_job(*common, "--devices=4", "--num_processes=2", f"--process_id={i}",
-                f"--coordinator_address=127.0.0.1:{port}",
-                f"--save_tables={tmp_path}/mp.npz", f"--report_json={tmp_path}/mp.json",
-                timeout=240) for i in range(2)]
+  procs = [
+    _job(
+      *common,
+      "--devices=4",
+      "--num_processes=2",
+      f"--process_id={i}",
+      f"--coordinator_address=127.0.0.1:{port}",
+      f"--save_tables={tmp_path}/mp.npz",
+      f"--report_json={tmp_path}/mp.json",
+      timeout=240,
+    )
+    for i in range(2)
+  ]
   for p in procs:
     _finish(p)
   mp, sp = (json.loads((tmp_path / f).read_text()) for f in ("mp.json", "sp.json"))
@@ -212,15 +269,26 @@ def test_two_processes_match_one_process(tmp_path):
 
 def test_a_lost_process_is_named_with_the_last_checkpoint(tmp_path):
   ckpt, port = tmp_path / "ckpt", _free_port()
-  procs = [_job("--steps=100000", "--devices=4", "--num_processes=2", f"--process_id={i}",
-                f"--coordinator_address=127.0.0.1:{port}", f"--checkpoint_dir={ckpt}",
-                "--checkpoint_every=2", "--heartbeat_timeout=5", timeout=240)
-           for i in range(2)]
+  procs = [
+    _job(
+      "--steps=100000",
+      "--devices=4",
+      "--num_processes=2",
+      f"--process_id={i}",
+      f"--coordinator_address=127.0.0.1:{port}",
+      f"--checkpoint_dir={ckpt}",
+      "--checkpoint_every=2",
+      "--heartbeat_timeout=5",
+      timeout=240,
+    )
+    for i in range(2)
+  ]
   steps = lambda: [int(p.name) for p in ckpt.iterdir() if p.name.isdigit()] if ckpt.exists() else []
   deadline = time.time() + 200
   while not steps():
     assert all(p.poll() is None for p in procs) and time.time() < deadline, [
-        p.stdout.read()[-2000:] for p in procs if p.poll() is not None]
+      p.stdout.read()[-2000:] for p in procs if p.poll() is not None
+    ]
     time.sleep(0.2)
   # SIGKILL process 1 whole: `timeout`, its supervisor and its worker.
   os.killpg(procs[1].pid, signal.SIGKILL)
@@ -229,7 +297,10 @@ def test_a_lost_process_is_named_with_the_last_checkpoint(tmp_path):
   procs[1].wait()
   assert procs[0].returncode == supervisor.EXIT_PEER_LOST, out[-3000:]
   assert time.time() - killed < 30
-  match = re.search(r"pallas_emb: lost process 1 of 2 .* process 0 stops too\. Last good "
-                    r"checkpoint: step (\d+) in (\S+); restart every process with --resume", out)
+  match = re.search(
+    r"pallas_emb: lost process 1 of 2 .* process 0 stops too\. Last good "
+    r"checkpoint: step (\d+) in (\S+); restart every process with --resume",
+    out,
+  )
   assert match, out[-3000:]
   assert int(match.group(1)) == max(steps()) and match.group(2) == str(ckpt)

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from absl import flags
 
-from pallas_emb import baselines
 from pallas_emb import data
-from pallas_emb import main as main_lib
 from pallas_emb.data.simulated_ratings import write_simulated_ratings
+from pallas_emb.job import baselines
+from pallas_emb.job import run as main_lib
 from pallas_emb.train.best_eval import BestEval
 
 
@@ -23,14 +23,18 @@ def test_history_holds_only_earlier_positive_items():
   pos = np.array([1, 0, 1, 1, 1, 1, 0], bool)
   ts = np.array([1, 2, 2, 3, 3, 4, 5])
   h = data.movielens.user_histories(user, item, pos, ts, cap=2)
-  np.testing.assert_array_equal(h, [
-      [-1, -1],     # nothing before
-      [10, -1],     # the earlier positive only
-      [-1, -1],     # another user's items never
-      [10, -1],     # a rating at the same time is not "before"
+  np.testing.assert_array_equal(
+    h,
+    [
+      [-1, -1],  # nothing before
+      [10, -1],  # the earlier positive only
+      [-1, -1],  # another user's items never
+      [10, -1],  # a rating at the same time is not "before"
       [10, -1],
-      [13, 12],     # newest first (12 and 13 tie at t=3, kept in file order)
-      [14, 13]])    # capped at 2, the oldest dropped
+      [13, 12],  # newest first (12 and 13 tie at t=3, kept in file order)
+      [14, 13],
+    ],
+  )  # capped at 2, the oldest dropped
 
 
 def test_movielens_history_shares_the_item_table(tmp_path):
@@ -42,7 +46,11 @@ def test_movielens_history_shares_the_item_table(tmp_path):
   batch = ml.train_batch(0, 3)
   assert batch["ids"]["history"].shape == (3, 3)
   assert [f.name for f in data.MovieLens.from_file(str(path), history_len=0).features] == [
-      "user", "item", "hour", "weekday"]
+    "user",
+    "item",
+    "hour",
+    "weekday",
+  ]
 
 
 def test_baselines_score_the_time_split(tmp_path):
@@ -81,21 +89,34 @@ def test_movielens_job_epochs_eval_best_step_and_tensorboard(tmp_path, capsys):
   ml = data.MovieLens.from_file(path)
   ckpt, tb = tmp_path / "ckpt", tmp_path / "tb"
   report = _run_in_process(
-      f"--data=movielens:{path}", "--epochs=2", "--batch_size=256", "--eval_every=8",
-      "--log_every=8", "--emb_dim=8", "--backend=xla", "--early_stop_patience=50",
-      f"--checkpoint_dir={ckpt}", f"--tensorboard_dir={tb}", f"--report_json={tmp_path}/r.json")
+    f"--data=movielens:{path}",
+    "--epochs=2",
+    "--batch_size=256",
+    "--eval_every=8",
+    "--log_every=8",
+    "--emb_dim=8",
+    "--backend=xla",
+    "--early_stop_patience=50",
+    f"--checkpoint_dir={ckpt}",
+    f"--tensorboard_dir={tb}",
+    f"--report_json={tmp_path}/r.json",
+  )
   planned = int(np.ceil(2 * ml.num_train / 256))
   assert report["planned_steps"] == planned == report["steps"] and not report["stopped_early"]
   assert report["epochs"] == pytest.approx(planned * 256 / ml.num_train)
   evals = [h["step"] for h in report["eval_history"]]
   assert evals == list(range(8, planned, 8))
-  best = min(report["eval_history"] + [{"step": planned, "logloss": report["eval_logloss"]}],
-             key=lambda h: h["logloss"])
+  best = min(
+    report["eval_history"] + [{"step": planned, "logloss": report["eval_logloss"]}],
+    key=lambda h: h["logloss"],
+  )
   assert report["best_step"] == best["step"]
   assert report["best_eval"]["logloss"] == best["logloss"]
   assert sorted(int(p) for p in os.listdir(ckpt / "best") if p.isdigit()) == [best["step"]]
   assert [b["model"] for b in report["baselines"]] == [
-      "item popularity", "logistic regression (user, item ids)"]
+    "item popularity",
+    "logistic regression (user, item ids)",
+  ]
   assert any(name.startswith("events.out.tfevents") for name in os.listdir(tb))
   out = capsys.readouterr().out
   assert "steps/s" in out and "ETA" in out and "baseline item popularity" in out

@@ -9,39 +9,58 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import make_mesh
 
 import pallas_emb as pe
-from conftest import make_mesh
 from pallas_emb.kernels import backend as backend_lib
 from pallas_emb.kernels import native, native_lib
 from sharding.dedup import unique_keys
 from sharding.layout import SENTINEL
 
 needs_native = pytest.mark.skipif(
-    not native_lib.available(),
-    reason=f"native library unavailable: {native_lib.status().reason}")
+  not native_lib.available(), reason=f"native library unavailable: {native_lib.status().reason}"
+)
 
 D = 16
 
 
-def _emb(backend, optimizer, *, rows=97, num_devices=1, dtype=jnp.float32,
-         unique_capacity=None, init=jax.nn.initializers.normal(1.0)):
-  table = pe.TableSpec("t", rows, D, optimizer=optimizer, dtype=dtype,
-                       unique_capacity=unique_capacity, initializer=init)
+def _emb(
+  backend,
+  optimizer,
+  *,
+  rows=97,
+  num_devices=1,
+  dtype=jnp.float32,
+  unique_capacity=None,
+  init=jax.nn.initializers.normal(1.0),
+):
+  table = pe.TableSpec(
+    "t",
+    rows,
+    D,
+    optimizer=optimizer,
+    dtype=dtype,
+    unique_capacity=unique_capacity,
+    initializer=init,
+  )
   feats = [pe.FeatureSpec("bag", "t", "sum"), pe.FeatureSpec("seq", "t", None)]
   return pe.ShardedEmbedding([table], feats, make_mesh(num_devices), "x", backend)
 
 
 def _batch(rng, rows, batch=32):
   """Zipf-like ids with repeats, padding (-1) and invalid ids (>= rows)."""
-  ids = {"bag": (rng.zipf(1.3, (batch, 3)) - 1) % (rows + 4) - 1,
-         "seq": rng.integers(-1, rows + 2, (batch, 2))}
+  ids = {
+    "bag": (rng.zipf(1.3, (batch, 3)) - 1) % (rows + 4) - 1,
+    "seq": rng.integers(-1, rows + 2, (batch, 2)),
+  }
   return {k: v.astype(np.int32) for k, v in ids.items()}
 
 
 def _grads(rng, batch=32):
-  return {"bag": rng.normal(size=(batch, D)).astype(np.float32),
-          "seq": rng.normal(size=(batch, 2, D)).astype(np.float32)}
+  return {
+    "bag": rng.normal(size=(batch, D)).astype(np.float32),
+    "seq": rng.normal(size=(batch, 2, D)).astype(np.float32),
+  }
 
 
 def _step(emb, state, ids, grads, gate=True):
@@ -72,8 +91,9 @@ def test_native_is_the_default_on_cpu(monkeypatch):
 
 def test_without_the_library_xla_runs_and_native_is_refused(monkeypatch):
   monkeypatch.delenv(backend_lib.ENV_VAR, raising=False)
-  monkeypatch.setattr(native_lib, "status",
-                      lambda: native_lib.Status(False, None, "not built here"))
+  monkeypatch.setattr(
+    native_lib, "status", lambda: native_lib.Status(False, None, "not built here")
+  )
   assert backend_lib.default_backend() == "xla"
   assert not native.supports(pe.RowWiseAdagrad(), jnp.float32)
   with pytest.raises(pe.BackendError, match=r"'native' is unavailable: not built here"):
@@ -96,8 +116,9 @@ def test_unique_keys_equal_the_sort_bit_for_bit(case):
   # The native dedup returns what a lookup reads (keys, inverse, counts),
   # not the sorted copy of its input that only a stacked table's counts use.
   for name in ("keys", "inverse", "num_unique", "num_overflow", "num_invalid"):
-    np.testing.assert_array_equal(np.asarray(getattr(got, name)),
-                                  np.asarray(getattr(want, name)), err_msg=name)
+    np.testing.assert_array_equal(
+      np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), err_msg=name
+    )
 
 
 @needs_native
@@ -124,18 +145,26 @@ def _assert_within_ulps(got, want, old, what):
   tol = native.ULP_TOLERANCE * np.spacing(scale)
   err = np.abs(got.astype(np.float64) - want.astype(np.float64))
   bad = err > tol
-  assert not bad.any(), (f"{what}: {bad.sum()} of {bad.size} elements beyond "
-                         f"{native.ULP_TOLERANCE} ulps, worst {np.max(err / tol):.1f}x")
+  assert not bad.any(), (
+    f"{what}: {bad.sum()} of {bad.size} elements beyond "
+    f"{native.ULP_TOLERANCE} ulps, worst {np.max(err / tol):.1f}x"
+  )
   same = (want == old).all(axis=-1)
   np.testing.assert_array_equal(got[same], want[same], err_msg=what)
 
 
 @needs_native
 @pytest.mark.parametrize("num_devices", [1, 4])
-@pytest.mark.parametrize("opt", [
-    pe.SGD(0.5), pe.Adagrad(0.25), pe.RowWiseAdagrad(0.1),
-    pe.RowWiseAdagrad(0.1, half_life_steps=3.0, weight_decay=0.01)],
-    ids=["SGD", "Adagrad", "RowWiseAdagrad", "RowWiseAdagrad_decays"])
+@pytest.mark.parametrize(
+  "opt",
+  [
+    pe.SGD(0.5),
+    pe.Adagrad(0.25),
+    pe.RowWiseAdagrad(0.1),
+    pe.RowWiseAdagrad(0.1, half_life_steps=3.0, weight_decay=0.01),
+  ],
+  ids=["SGD", "Adagrad", "RowWiseAdagrad", "RowWiseAdagrad_decays"],
+)
 def test_optimizer_math_is_within_the_stated_ulps(opt, num_devices):
   rng = np.random.default_rng(1)
   batches = [(_batch(rng, 97), _grads(rng)) for _ in range(2)]
@@ -152,11 +181,15 @@ def test_optimizer_math_is_within_the_stated_ulps(opt, num_devices):
 
 
 @needs_native
-@pytest.mark.parametrize("opt,dtype", [
+@pytest.mark.parametrize(
+  "opt,dtype",
+  [
     (pe.LazyAdam(0.05), jnp.float32),
     (pe.RowWiseAdagrad(0.1, half_life_steps=3.0, lazy_decay=True), jnp.float32),
-    (pe.RowWiseAdagrad(0.1), jnp.bfloat16)],
-    ids=["LazyAdam", "RowWiseAdagrad_lazy", "bf16"])
+    (pe.RowWiseAdagrad(0.1), jnp.bfloat16),
+  ],
+  ids=["LazyAdam", "RowWiseAdagrad_lazy", "bf16"],
+)
 def test_what_native_does_not_implement_runs_xla_bit_for_bit(opt, dtype):
   assert not native.supports(opt, dtype)
   rng = np.random.default_rng(2)
@@ -178,8 +211,7 @@ def test_a_skipped_update_leaves_every_row_bit_for_bit(bad):
   rows, batch = 4096, 512
   emb = _emb("native", pe.RowWiseAdagrad(0.1), rows=rows)
   rng = np.random.default_rng(4)
-  state, _ = _step(emb, emb.init(jax.random.key(5)), _batch(rng, rows, batch),
-                   _grads(rng, batch))
+  state, _ = _step(emb, emb.init(jax.random.key(5)), _batch(rng, rows, batch), _grads(rng, batch))
   before = _host(state)
   ids, grads = _batch(rng, rows, batch), _grads(rng, batch)
   if bad == "nan_last":  # the last token: every other row is already updated
@@ -205,8 +237,7 @@ def test_squares_past_float32_still_apply_like_xla():
     emb = _emb(b, pe.SGD(1e-20))
     got[b] = _step(emb, emb.init(jax.random.key(7)), ids, grads)[1]["t"]
   assert bool(got["native"].applied) and bool(got["xla"].applied)
-  np.testing.assert_allclose(float(got["native"].grad_norm),
-                             float(got["xla"].grad_norm), rtol=1e-5)
+  np.testing.assert_allclose(float(got["native"].grad_norm), float(got["xla"].grad_norm), rtol=1e-5)
 
 
 @needs_native
@@ -216,12 +247,15 @@ def test_the_native_step_updates_table_and_slots_in_place():
   emb = _emb("native", pe.RowWiseAdagrad(0.1), rows=256)
   state = emb.init(jax.random.key(8))
   ids, grads = _batch(np.random.default_rng(8), 256), _grads(np.random.default_rng(8))
-  step = jax.jit(lambda s, i, g: emb.apply_gradients(s, emb.plan(i), g)[0],
-                 donate_argnums=0)
+  step = jax.jit(lambda s, i, g: emb.apply_gradients(s, emb.plan(i), g)[0], donate_argnums=0)
   hlo = step.lower(state, ids, grads).compile().as_text()
   assert "PeRowwiseAdagradSegsumUpdate" in hlo
-  shapes = [f"f32[{','.join(map(str, x.shape))}]"
-            for x in jax.tree.leaves(state["t"]) if x.ndim == 2]
-  copies = [l for l in hlo.splitlines()
-            if any(f"= {s}" in l for s in shapes) and ("copy" in l.split("=", 1)[1])]
+  shapes = [
+    f"f32[{','.join(map(str, x.shape))}]" for x in jax.tree.leaves(state["t"]) if x.ndim == 2
+  ]
+  copies = [
+    l
+    for l in hlo.splitlines()
+    if any(f"= {s}" in l for s in shapes) and ("copy" in l.split("=", 1)[1])
+  ]
   assert not copies, copies

@@ -7,14 +7,15 @@ import optax
 import pytest
 
 flax = pytest.importorskip("flax")  # the `flax` extra (in `test`)
+from conftest import make_mesh  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import pallas_emb as pe  # noqa: E402
-from conftest import make_mesh  # noqa: E402
 from pallas_emb import data as data_lib  # noqa: E402
 from pallas_emb import nnx as pnnx  # noqa: E402
 from pallas_emb.data.feed import GlobalBatches  # noqa: E402
-from pallas_emb.model import build_ranking  # noqa: E402
+from pallas_emb.job.model import build_ranking  # noqa: E402
+from pallas_emb.job.nnx_model import RankingMLP  # noqa: E402
 
 STEPS = 3
 
@@ -22,15 +23,21 @@ STEPS = 3
 def _job(num_devices, optimizer=None):
   dataset = data_lib.SyntheticClickLog(num_users=200, num_items=120, eval_examples=64)
   emb, model = build_ranking(
-      dataset, make_mesh(num_devices), emb_dim=8, backend="xla", hidden=(16,),
-      optimizer=optimizer or pe.RowWiseAdagrad(0.05, half_life_steps=None))
+    dataset,
+    make_mesh(num_devices),
+    emb_dim=8,
+    backend="xla",
+    hidden=(16,),
+    optimizer=optimizer or pe.RowWiseAdagrad(0.05, half_life_steps=None),
+  )
   return emb, model, GlobalBatches(dataset, 32, emb.sharding())
 
 
 def _nnx_model(emb, model, feeder, config, key):
-  embed = pnnx.Embed(emb, key=jax.random.fold_in(key, 2), config=config,
-                     first_ids=feeder.train(0)["ids"])
-  dense = pnnx.RankingMLP(model, jax.random.fold_in(key, 1))
+  embed = pnnx.Embed(
+    emb, key=jax.random.fold_in(key, 2), config=config, first_ids=feeder.train(0)["ids"]
+  )
+  dense = RankingMLP(model, jax.random.fold_in(key, 1))
   pnnx.replicate(dense, embed)
   opt = nnx.Optimizer(dense, optax.adam(1e-3), wrt=nnx.Param)
   pnnx.replicate(opt, embed)
@@ -38,14 +45,17 @@ def _nnx_model(emb, model, feeder, config, key):
 
 
 def _train_nnx(embed, dense, opt, feeder, start, stop):
-  return [float(pnnx.train_step(embed, dense, opt, feeder.train(t), feeder.train(t + 1))["loss"])
-          for t in range(start, stop)]
+  return [
+    float(pnnx.train_step(embed, dense, opt, feeder.train(t), feeder.train(t + 1))["loss"])
+    for t in range(start, stop)
+  ]
 
 
 def _functional(emb, model, feeder, config, key):
   trainer = pe.make_trainer(emb, model.loss, optax.adam(1e-3), config, feeder.train(0))
-  state = trainer.init(model.init(jax.random.fold_in(key, 1)),
-                       emb.init(jax.random.fold_in(key, 2)), feeder.train(0))
+  state = trainer.init(
+    model.init(jax.random.fold_in(key, 1)), emb.init(jax.random.fold_in(key, 2)), feeder.train(0)
+  )
   losses = []
   for t in range(STEPS):
     state, m = trainer.step(state, feeder.train(t), feeder.train(t + 1))
@@ -56,7 +66,9 @@ def _functional(emb, model, feeder, config, key):
 
 def _assert_same_state(embed, dense, state):
   for name, ts in state.tables.items():
-    np.testing.assert_array_equal(np.asarray(embed.table.get_value()[name]), np.asarray(ts.table), name)
+    np.testing.assert_array_equal(
+      np.asarray(embed.table.get_value()[name]), np.asarray(ts.table), name
+    )
     for slot, v in ts.slots.items():
       np.testing.assert_array_equal(np.asarray(embed.slots.get_value()[name][slot]), np.asarray(v))
     assert int(embed.step.get_value()[name]) == int(ts.step)
@@ -65,11 +77,15 @@ def _assert_same_state(embed, dense, state):
       np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
 
 
-@pytest.mark.parametrize("num_devices,config", [
+@pytest.mark.parametrize(
+  "num_devices,config",
+  [
     (8, pe.TrainConfig()),
     (8, pe.TrainConfig(use_async_emb=False)),
     (1, pe.TrainConfig(exact=True)),
-], ids=["async-8", "sync-8", "exact-1"])
+  ],
+  ids=["async-8", "sync-8", "exact-1"],
+)
 def test_nnx_trains_bit_for_bit_like_the_functional_trainer(num_devices, config):
   emb, model, feeder = _job(num_devices)
   key = jax.random.key(0)
@@ -87,8 +103,9 @@ def test_nnx_trains_bit_for_bit_like_the_functional_trainer(num_devices, config)
 def test_an_optimizer_without_a_fused_update_is_refused_at_construction():
   emb, _, feeder = _job(8, optimizer=pe.OptaxRows(optax.adam(1e-3)))
   with pytest.raises(pe.ConfigError) as nnx_err:
-    pnnx.Embed(emb, key=jax.random.key(0), config=pe.TrainConfig(),
-               first_ids=feeder.train(0)["ids"])
+    pnnx.Embed(
+      emb, key=jax.random.key(0), config=pe.TrainConfig(), first_ids=feeder.train(0)["ids"]
+    )
   with pytest.raises(pe.ConfigError) as config_err:
     pe.validate_config(pe.TrainConfig(), emb)
   assert str(nnx_err.value) == str(config_err.value)
@@ -99,6 +116,7 @@ def test_an_optimizer_without_a_fused_update_is_refused_at_construction():
 
 def test_nnx_state_checkpoints_through_orbax_and_resumes_exactly(tmp_path):
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
   emb, model, feeder = _job(8)
   config, key = pe.TrainConfig(), jax.random.key(0)
   embed, dense, opt = _nnx_model(emb, model, feeder, config, key)
@@ -120,7 +138,8 @@ def test_nnx_state_checkpoints_through_orbax_and_resumes_exactly(tmp_path):
   for e in (embed, embed3):
     pnnx.flush(e)
   for name in embed.table.get_value():
-    np.testing.assert_array_equal(np.asarray(embed.table.get_value()[name]),
-                                  np.asarray(embed3.table.get_value()[name]))
+    np.testing.assert_array_equal(
+      np.asarray(embed.table.get_value()[name]), np.asarray(embed3.table.get_value()[name])
+    )
   for a, b in zip(dense.params(), dense3.params()):
     np.testing.assert_array_equal(np.asarray(a["w"]), np.asarray(b["w"]))

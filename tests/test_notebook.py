@@ -4,7 +4,6 @@ import json
 import os
 
 import nbformat
-import pytest
 from nbclient import NotebookClient
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,10 +41,16 @@ def test_notebook_runs_on_cpu(tmp_path, monkeypatch):
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
   monkeypatch.setenv("MPLBACKEND", "Agg")
   monkeypatch.setenv("PYTHONPATH", REPO)
-  NotebookClient(nb, timeout=600, kernel_name="python3",
-                 resources={"metadata": {"path": str(tmp_path)}}).execute()
-  text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
-                   for o in c.outputs if o.get("output_type") == "stream")
+  NotebookClient(
+    nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+  ).execute()
+  text = "\n".join(
+    o.get("text", "")
+    for c in nb.cells
+    if c.cell_type == "code"
+    for o in c.outputs
+    if o.get("output_type") == "stream"
+  )
   assert "tables identical: True" in text
   assert "equal to float32 rounding: True" in text
   assert "eval AUC" in text and "fused" in text

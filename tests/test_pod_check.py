@@ -29,8 +29,9 @@ MIB = 2**20
 
 def _can_unshare() -> bool:
   try:
-    return subprocess.run(["unshare", "-n", "true"], capture_output=True,
-                          timeout=30).returncode == 0
+    return (
+      subprocess.run(["unshare", "-n", "true"], capture_output=True, timeout=30).returncode == 0
+    )
   except (OSError, subprocess.TimeoutExpired):
     return False
 
@@ -39,22 +40,44 @@ def _can_unshare() -> bool:
 # reason to skip. A machine that may not create a network namespace cannot
 # run the compile the way the project requires.
 pytestmark = pytest.mark.skipif(
-    not _can_unshare(),
-    reason="`unshare -n` is not permitted here: the deviceless TPU compile "
-           "runs only without network access")
+  not _can_unshare(),
+  reason="`unshare -n` is not permitted here: the deviceless TPU compile "
+  "runs only without network access",
+)
 
 COMPILES = {
-    "main": ["--topology=v5e:2x2,v6e:2x2,v5p:2x2x1", "--workload=main",
-             "--dim=128", "--examples_per_chip=128"],
-    "w_tpu": ["--topology=v5e:2x2", "--workload=w_tpu", "--vocab=1000000"],
-    "small_table": ["--topology=v5e:2x2", "--workload=w_tpu",
-                    "--vocab=1000000", "--examples_per_chip=1024"],
-    "large_table": ["--topology=v5e:2x2", "--workload=w_tpu",
-                    "--vocab=10000000", "--examples_per_chip=1024"],
-    "more_chips": ["--topology=v5e:4x4", "--workload=w_tpu",
-                   "--vocab=4000000", "--examples_per_chip=1024"],
-    "ftrl": ["--topology=v5e:2x2", "--workload=main", "--dim=128",
-             "--examples_per_chip=128", "--optimizer=ftrl"],
+  "main": [
+    "--topology=v5e:2x2,v6e:2x2,v5p:2x2x1",
+    "--workload=main",
+    "--dim=128",
+    "--examples_per_chip=128",
+  ],
+  "w_tpu": ["--topology=v5e:2x2", "--workload=w_tpu", "--vocab=1000000"],
+  "small_table": [
+    "--topology=v5e:2x2",
+    "--workload=w_tpu",
+    "--vocab=1000000",
+    "--examples_per_chip=1024",
+  ],
+  "large_table": [
+    "--topology=v5e:2x2",
+    "--workload=w_tpu",
+    "--vocab=10000000",
+    "--examples_per_chip=1024",
+  ],
+  "more_chips": [
+    "--topology=v5e:4x4",
+    "--workload=w_tpu",
+    "--vocab=4000000",
+    "--examples_per_chip=1024",
+  ],
+  "ftrl": [
+    "--topology=v5e:2x2",
+    "--workload=main",
+    "--dim=128",
+    "--examples_per_chip=128",
+    "--optimizer=ftrl",
+  ],
 }
 
 
@@ -64,8 +87,20 @@ def _compile(tmp_path, name, args):
   env.pop("XLA_FLAGS", None)  # the test process's simulated CPU devices
   # Two compiles at a time: libtpu's lock file must not serialise them.
   env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
-  cmd = ["timeout", "-k", "5", "900", "unshare", "-n", sys.executable, "-m",
-         "pallas_emb.pod_check", "--pipelines=async", f"--json={out}", *args]
+  cmd = [
+    "timeout",
+    "-k",
+    "5",
+    "900",
+    "unshare",
+    "-n",
+    sys.executable,
+    "-m",
+    "pallas_emb.pod_check",
+    "--pipelines=async",
+    f"--json={out}",
+    *args,
+  ]
   proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
   assert proc.returncode == 0, f"{name}: {proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
   return json.loads(out.read_text())
@@ -74,11 +109,11 @@ def _compile(tmp_path, name, args):
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
   assert importlib.util.find_spec("libtpu") is not None, (
-      "libtpu is missing: the test extra installs jax[tpu]")
+    "libtpu is missing: the test extra installs jax[tpu]"
+  )
   tmp = tmp_path_factory.mktemp("pod_check")
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    futures = {name: pool.submit(_compile, tmp, name, args)
-               for name, args in COMPILES.items()}
+    futures = {name: pool.submit(_compile, tmp, name, args) for name, args in COMPILES.items()}
     return {name: f.result() for name, f in futures.items()}
 
 
@@ -126,12 +161,12 @@ def test_w_tpu_fits_twice_its_working_set_and_copies_no_table_or_slot(reports):
 
 
 def test_per_chip_temp_follows_the_ids_not_the_table_or_the_chip_count(reports):
-  [small], [large], [more] = (reports[k] for k in ("small_table", "large_table",
-                                                    "more_chips"))
+  [small], [large], [more] = (reports[k] for k in ("small_table", "large_table", "more_chips"))
   assert large["tables"]["item"]["table_bytes"] > 9 * small["tables"]["item"]["table_bytes"]
-  assert large["temp_bytes"] <= 1.1 * small["temp_bytes"], (small["temp_bytes"],
-                                                           large["temp_bytes"])
+  assert large["temp_bytes"] <= 1.1 * small["temp_bytes"], (
+    small["temp_bytes"],
+    large["temp_bytes"],
+  )
   assert more["chips"] == 16
   assert more["tables"]["item"]["rows_per_chip"] == small["tables"]["item"]["rows_per_chip"]
-  assert more["temp_bytes"] <= 1.2 * small["temp_bytes"], (small["temp_bytes"],
-                                                          more["temp_bytes"])
+  assert more["temp_bytes"] <= 1.2 * small["temp_bytes"], (small["temp_bytes"], more["temp_bytes"])

@@ -39,8 +39,15 @@ def test_readme_block_runs(index, tmp_path):
   else:
     script = re.sub(r"^pip install [^&\n]*&&\s*", "", code, flags=re.M)
     cmd = ["bash", "-euo", "pipefail", "-c", script.replace("python ", f"{sys.executable} ")]
-  proc = subprocess.run(["timeout", "-k", "5", "420", *cmd], cwd=tmp_path, env={
-      **_env(), "PYTHONPATH": REPO}, capture_output=True, text=True)
-  assert proc.returncode == 0, f"README block {index} ({lang}):\n{code}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+  proc = subprocess.run(
+    ["timeout", "-k", "5", "420", *cmd],
+    cwd=tmp_path,
+    env={**_env(), "PYTHONPATH": REPO},
+    capture_output=True,
+    text=True,
+  )
+  assert proc.returncode == 0, (
+    f"README block {index} ({lang}):\n{code}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+  )
   if marker == "main":
     assert "final: step 500" in proc.stdout and "eval auc" in proc.stdout

@@ -1,37 +1,45 @@
 """Routing inside shard_map: buckets, all_to_all, owner merge and its reverse."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import make_mesh
 from jax.sharding import PartitionSpec as P
 
-from conftest import make_mesh
 from sharding.dedup import dedup
 from sharding.layout import RowLayout
 from sharding.route import from_owners, plan_route, to_owners
 
 
-def _route(mesh, layout, ids, values, unique_cap, route_cap, owner_cap,
-           method="search"):
+def _route(mesh, layout, ids, values, unique_cap, route_cap, owner_cap, method="search"):
   """Per device: dedup its ids, route unit values to owners and rows back."""
 
   def fn(ids, values):
     u = dedup(ids.reshape(-1), layout, unique_cap, method)
-    plan = plan_route(u, rows_per_shard=layout.rows_per_shard,
-                      num_shards=layout.num_shards, route_capacity=route_cap,
-                      owner_capacity=owner_cap, axis_name="x", method=method)
+    plan = plan_route(
+      u,
+      rows_per_shard=layout.rows_per_shard,
+      num_shards=layout.num_shards,
+      route_capacity=route_cap,
+      owner_capacity=owner_cap,
+      axis_name="x",
+      method=method,
+    )
     owner_sums = to_owners(plan, values.reshape(-1), axis_name="x")
     # Owners answer each slot they received with its global physical row;
     # every id gets its answer back.
     shard = jax.lax.axis_index("x")
-    answer = jnp.where(plan.recv_rows >= 0,
-                       plan.recv_rows + shard * layout.rows_per_shard, -1)
+    answer = jnp.where(plan.recv_rows >= 0, plan.recv_rows + shard * layout.rows_per_shard, -1)
     back = from_owners(plan, answer, axis_name="x")
-    return (plan.owner_rows, owner_sums, plan.token_slot, back,
-            plan.num_overflow[None], plan.num_owner_unique[None])
+    return (
+      plan.owner_rows,
+      owner_sums,
+      plan.token_slot,
+      back,
+      plan.num_overflow[None],
+      plan.num_owner_unique[None],
+    )
 
   f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
   return [np.asarray(x) for x in f(ids, values)]
@@ -47,8 +55,8 @@ def test_gradients_reach_owners_summed_and_rows_come_back(shards, kind, method):
   values = rng.integers(1, 5, ids.shape).astype(np.float32)
   cap = 48
   owner_rows, owner_sums, token_slot, back, overflow, n_owner = _route(
-      mesh, layout, ids, values, cap, cap, min(shards * cap, layout.rows_per_shard),
-      method)
+    mesh, layout, ids, values, cap, cap, min(shards * cap, layout.rows_per_shard), method
+  )
   assert overflow.sum() == 0
   rps = layout.rows_per_shard
   # Every owner's rows are distinct, ascending, and the global sums are right.
@@ -58,8 +66,8 @@ def test_gradients_reach_owners_summed_and_rows_come_back(shards, kind, method):
     expected[p] = expected.get(p, 0.0) + v
   got = {}
   for s in range(shards):
-    rows = owner_rows[s * len(owner_rows) // shards:(s + 1) * len(owner_rows) // shards]
-    sums = owner_sums[s * len(owner_rows) // shards:(s + 1) * len(owner_rows) // shards]
+    rows = owner_rows[s * len(owner_rows) // shards : (s + 1) * len(owner_rows) // shards]
+    sums = owner_sums[s * len(owner_rows) // shards : (s + 1) * len(owner_rows) // shards]
     valid = rows >= 0
     assert (np.diff(rows[valid]) > 0).all()
     assert (rows[~valid] == -1).all() and (sums[~valid] == 0).all()
@@ -80,7 +88,8 @@ def test_route_overflow_is_counted_and_dropped():
   ids = np.tile(np.arange(0, 32, 4, dtype=np.int32), shards)
   values = np.ones_like(ids, np.float32)
   owner_rows, owner_sums, token_slot, back, overflow, _ = _route(
-      mesh, layout, ids, values, 8, 5, 16)
+    mesh, layout, ids, values, 8, 5, 16
+  )
   assert overflow.tolist() == [3] * shards
   # Only the 5 smallest ids reach the owner; each from all 4 sources.
   np.testing.assert_array_equal(owner_rows[:5], np.arange(5))
@@ -88,5 +97,6 @@ def test_route_overflow_is_counted_and_dropped():
   # The dropped ids have no slot and come back as zeros, never another row.
   assert (token_slot.reshape(shards, 8)[:, 5:] == -1).all()
   assert (back.reshape(shards, 8)[:, 5:] == 0).all()
-  np.testing.assert_array_equal(back.reshape(shards, 8)[:, :5],
-                                np.tile(layout.physical_of(ids[:5]), (shards, 1)))
+  np.testing.assert_array_equal(
+    back.reshape(shards, 8)[:, :5], np.tile(layout.physical_of(ids[:5]), (shards, 1))
+  )

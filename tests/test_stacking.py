@@ -5,10 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import make_mesh
 
 import pallas_emb as pe
-from conftest import make_mesh
-from pallas_emb import programs, stacking
+from pallas_emb import programs
+from pallas_emb.stacking import plan as stacking
 from pallas_emb.train.checkpoint import Checkpointer
 
 D = 8
@@ -17,17 +18,23 @@ D = 8
 def _tables(opt, alone=False):
   # a, b, c stack (equal dim and optimizer); d has another dim and stays alone.
   return [pe.TableSpec("a", 37, D, optimizer=opt), pe.TableSpec("c", 20, D, optimizer=opt)] + (
-              [pe.TableSpec("d", 30, 4, optimizer=opt)] if alone else [])
+    [pe.TableSpec("d", 30, 4, optimizer=opt)] if alone else []
+  )
 
 
-FEATURES = [pe.FeatureSpec("fa", "a"), pe.FeatureSpec("fc", "c"),
-            pe.FeatureSpec("fa2", "a", None)]
+FEATURES = [pe.FeatureSpec("fa", "a"), pe.FeatureSpec("fc", "c"), pe.FeatureSpec("fa2", "a", None)]
 FEATURE_D = pe.FeatureSpec("fd", "d")
 
 
 def _emb(opt, n, stacking_mode, alone=False):
-  return pe.ShardedEmbedding(_tables(opt, alone), FEATURES + [FEATURE_D] * alone,
-                             make_mesh(n), "x", "xla", stacking=stacking_mode)
+  return pe.ShardedEmbedding(
+    _tables(opt, alone),
+    FEATURES + [FEATURE_D] * alone,
+    make_mesh(n),
+    "x",
+    "xla",
+    stacking=stacking_mode,
+  )
 
 
 def _dyadic(rng, shape):
@@ -52,8 +59,12 @@ def _run(emb, steps=2, nan_step=1):
       row = int(np.nonzero(((ids_c >= 0) & (ids_c < 20)).any(axis=1))[0][0])
       grads["fc"][row, 0] = np.nan
     state, metrics = emb.apply_gradients(state, res, grads)
-    log.append(({k: np.asarray(v) for k, v in acts.items()},
-                jax.tree.map(np.asarray, {k: m._asdict() for k, m in metrics.items()})))
+    log.append(
+      (
+        {k: np.asarray(v) for k, v in acts.items()},
+        jax.tree.map(np.asarray, {k: m._asdict() for k, m in metrics.items()}),
+      )
+    )
   return state, log
 
 
@@ -73,9 +84,13 @@ def _assert_metrics_equal(m0, m1):
       np.testing.assert_array_equal(m0[t][k], m1[t][k], err_msg=f"{t}.{k}")
 
 
-OPTIMIZERS = [(pe.SGD(0.5), 1), (pe.Adagrad(0.25), 6),
-              (pe.RowWiseAdagrad(0.1, half_life_steps=3.0, lazy_decay=True), 8),
-              (pe.LazyAdam(0.05), 8), (pe.FTRL(0.1, l1=0.01, l2=0.01), 6)]
+OPTIMIZERS = [
+  (pe.SGD(0.5), 1),
+  (pe.Adagrad(0.25), 6),
+  (pe.RowWiseAdagrad(0.1, half_life_steps=3.0, lazy_decay=True), 8),
+  (pe.LazyAdam(0.05), 8),
+  (pe.FTRL(0.1, l1=0.01, l2=0.01), 6),
+]
 
 
 @pytest.mark.parametrize("opt,n", OPTIMIZERS, ids=lambda x: getattr(type(x), "__name__", str(x)))
@@ -115,9 +130,21 @@ def test_stacking_by_hand_and_its_errors():
   assert emb.table_names == ("ac", "d")
   assert [t.name for t in emb.group_of("c").tables] == ["a", "c"]
   assert [f.name for f in emb.features_of("ac")] == ["fa", "fa2", "fc"]
-  for bad, words in (({"g": ["a", "d"]}, "cannot share"), ({"g": ["a", "x"]}, "'x'"),
-                     ({"g": ["a"], "h": ["a", "c"]}, "two groups"), ("sometimes", "stacking must"),
-                     ({"a": ["c", "a"]}, "table's name")):
+  # Physical names for the stored tables, logical names for one table.
+  assert emb.logical_spec("a").name == "a" and emb.table_spec("ac").name == "ac"
+  assert [f.name for f in emb.logical_features("a")] == ["fa", "fa2"]
+  for method in (emb.table_spec, emb.layout, emb.features_of):
+    with pytest.raises(pe.InputError, match="'a' is a logical table stored in the stacked table"):
+      method("a")
+  with pytest.raises(pe.InputError, match="unknown table 'x'"):
+    emb.logical_spec("x")
+  for bad, words in (
+    ({"g": ["a", "d"]}, "cannot share"),
+    ({"g": ["a", "x"]}, "'x'"),
+    ({"g": ["a"], "h": ["a", "c"]}, "two groups"),
+    ("sometimes", "stacking must"),
+    ({"a": ["c", "a"]}, "table's name"),
+  ):
     with pytest.raises(pe.SpecError, match=words):
       pe.ShardedEmbedding(tables, feats, mesh, "x", "xla", stacking=bad)
 
@@ -134,16 +161,17 @@ def test_init_and_member_states_round_trip():
 
 
 def _trainer(emb, use_async, batch):
-  w = {f.name: jnp.asarray((np.arange(emb.table_spec(f.table).dim) % 5 - 2) / 4,
-                          jnp.float32) for f in emb.features}
+  w = {
+    f.name: jnp.asarray((np.arange(emb.logical_spec(f.table).dim) % 5 - 2) / 4, jnp.float32)
+    for f in emb.features
+  }
 
   def loss_fn(params, acts, batch):
     del batch
     total = sum(jnp.sum(acts[k] * w[k]) for k in acts) * params["s"]
     return total, {}
 
-  tr = pe.make_trainer(emb, loss_fn, optax.sgd(0.0), pe.TrainConfig(use_async_emb=use_async),
-                       batch)
+  tr = pe.make_trainer(emb, loss_fn, optax.sgd(0.0), pe.TrainConfig(use_async_emb=use_async), batch)
   return tr, {"s": jnp.ones((), jnp.float32)}
 
 
@@ -156,8 +184,9 @@ def test_trainer_stacked_equals_unstacked_and_checkpoints_cross_over(use_async, 
   runs = {}
   for mode in ("off", "auto"):
     emb = _emb(pe.RowWiseAdagrad(0.1, half_life_steps=None), 4, mode)
-    put = lambda b, emb=emb: {"ids": {k: jax.device_put(v, emb.sharding())
-                                      for k, v in b["ids"].items()}}
+    put = lambda b, emb=emb: {
+      "ids": {k: jax.device_put(v, emb.sharding()) for k, v in b["ids"].items()}
+    }
     batches = runs["off"]["batches"] if runs else [{"ids": _ids(rng, emb)} for _ in range(4)]
     tr, params = _trainer(emb, use_async, put(batches[0]))
     template = tr.init(params, emb.init(jax.random.key(0)), put(batches[0]))
@@ -168,8 +197,9 @@ def test_trainer_stacked_equals_unstacked_and_checkpoints_cross_over(use_async, 
       log.append(jax.tree.map(np.asarray, m["emb"]))
     ckpt = Checkpointer(str(tmp_path / mode), tr)
     ckpt.save(state, {k: v.shape for k, v in batches[0]["ids"].items()})
-    runs[mode] = dict(emb=emb, tr=tr, state=state, log=log, put=put, batches=batches,
-                      template=template, ckpt=ckpt)
+    runs[mode] = dict(
+      emb=emb, tr=tr, state=state, log=log, put=put, batches=batches, template=template, ckpt=ckpt
+    )
   off, auto = runs["off"], runs["auto"]
   _assert_same(off["emb"], off["state"].tables, auto["emb"], auto["state"].tables, "ac")
   for m0, m1 in zip(off["log"], auto["log"]):
@@ -179,11 +209,14 @@ def test_trainer_stacked_equals_unstacked_and_checkpoints_cross_over(use_async, 
     ckpt = Checkpointer(other["ckpt"].directory, mine["tr"])
     restored = ckpt.restore(mine["template"], lambda i: mine["put"](mine["batches"][i]))
     _assert_same(mine["emb"], restored.tables, other["emb"], other["state"].tables, "ac")
-    mine["next"] = mine["tr"].step(restored, mine["put"](mine["batches"][2]),
-                                   mine["put"](mine["batches"][3]))
+    mine["next"] = mine["tr"].step(
+      restored, mine["put"](mine["batches"][2]), mine["put"](mine["batches"][3])
+    )
   _assert_same(off["emb"], off["next"][0].tables, auto["emb"], auto["next"][0].tables, "ac")
-  _assert_metrics_equal(jax.tree.map(np.asarray, off["next"][1]["emb"]),
-                        jax.tree.map(np.asarray, auto["next"][1]["emb"]))
+  _assert_metrics_equal(
+    jax.tree.map(np.asarray, off["next"][1]["emb"]),
+    jax.tree.map(np.asarray, auto["next"][1]["emb"]),
+  )
 
 
 @pytest.mark.parametrize("n", [6])
@@ -194,8 +227,9 @@ def test_replicated_equals_sharded(n):
   opt = pe.LazyAdam(0.05)
   runs = []
   for kw in ({}, {"replicate_below": 30}):
-    emb = pe.ShardedEmbedding(_tables(opt), FEATURES, make_mesh(n), "x", "xla",
-                              stacking="off", **kw)
+    emb = pe.ShardedEmbedding(
+      _tables(opt), FEATURES, make_mesh(n), "x", "xla", stacking="off", **kw
+    )
     runs.append((emb,) + _run(emb))
   (e0, s0, log0), (e1, s1, log1) = runs
   assert e1.layout("c").num_shards == 1 and e1.layout("a").num_shards == n
@@ -205,8 +239,14 @@ def test_replicated_equals_sharded(n):
     for k in a0:
       np.testing.assert_array_equal(a0[k], a1[k])
     for t in m0:
-      for k in ("unique_ids", "invalid_ids", "overflow_ids", "grad_norm", "applied",
-                "max_unique_per_shard"):
+      for k in (
+        "unique_ids",
+        "invalid_ids",
+        "overflow_ids",
+        "grad_norm",
+        "applied",
+        "max_unique_per_shard",
+      ):
         np.testing.assert_array_equal(m0[t][k], m1[t][k], err_msg=f"{t}.{k}")
   assert not log1[-1][1]["c"]["applied"] and log1[-1][1]["a"]["applied"]
   # Stored alone and sharded for checkpoints; back to replicated.
@@ -220,7 +260,8 @@ def test_replicated_equals_sharded(n):
     text = programs.lookup.lower(t, state["c"].table, ids).as_text()
     res = programs.plan(t, ids)
     text += programs.apply_gradients.lower(
-        t, state["c"], res, (jnp.zeros((24, D)),), True).as_text()
+      t, state["c"], res, (jnp.zeros((24, D)),), True
+    ).as_text()
     assert ("all_to_all" in text) == count
 
 
@@ -234,8 +275,10 @@ def test_interpret_kernel_agrees_with_xla_when_a_member_is_skipped():
   for backend in ("xla", "interpret"):
     emb = pe.ShardedEmbedding(tables, feats, make_mesh(1), "x", backend)
     state = emb.init(jax.random.key(0))
-    ids = {"fa": np.array([[0], [5], [11], [-1]], np.int32),
-           "fc": np.array([[2], [8], [3], [20]], np.int32)}
+    ids = {
+      "fa": np.array([[0], [5], [11], [-1]], np.int32),
+      "fc": np.array([[2], [8], [3], [20]], np.int32),
+    }
     acts, res = emb.lookup(state, ids)
     grads = {k: _dyadic(np.random.default_rng(2), v.shape) for k, v in acts.items()}
     grads["fc"][1, 0] = np.inf

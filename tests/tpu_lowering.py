@@ -22,8 +22,12 @@ DEVICE_KINDS = ("TPU v5 lite", "TPU v6 lite", "TPU v5")
 def tpu_target(device_kind: str):
   """Makes `device_kind` (one TPU core) the device code is lowered for."""
   mesh = jax.sharding.AbstractMesh(
-      (1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
-          device_kind=device_kind, num_cores=1, platform="tpu"))
+    (1,),
+    ("x",),
+    abstract_device=jax.sharding.AbstractDevice(
+      device_kind=device_kind, num_cores=1, platform="tpu"
+    ),
+  )
   with jax.sharding.use_abstract_mesh(mesh):
     yield
 
@@ -36,5 +40,4 @@ def export_for_tpu(fn, *args, device_kind: str) -> jax.export.Exported:
 
 def mosaic_calls(exported: jax.export.Exported) -> list[str]:
   """The StableHLO lines that call a Mosaic (Pallas TPU) kernel."""
-  return [line for line in exported.mlir_module().splitlines()
-          if "tpu_custom_call" in line]
+  return [line for line in exported.mlir_module().splitlines() if "tpu_custom_call" in line]

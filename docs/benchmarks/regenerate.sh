@@ -13,7 +13,7 @@ out=docs/benchmarks
 echo "+ W1/W2 (the issue's command), $(date -u +%FT%TZ), load: $(cut -d' ' -f1-3 /proc/loadavg)"
 python -m pallas_emb.bench --vocab 1000000,10000000 --steps 20 \
   --json "$out/w1w2.json" --plot "$out/w1w2.png"
-python -m pallas_emb.bench_report "$out/w1w2.json" --readme README.md
+python -m pallas_emb.bench.report "$out/w1w2.json" --readme README.md
 
 if [[ "${1:-}" != "--no-sweep" ]]; then
   echo "+ sweep over V and N, $(date -u +%FT%TZ), load: $(cut -d' ' -f1-3 /proc/loadavg)"
@@ -23,4 +23,4 @@ if [[ "${1:-}" != "--no-sweep" ]]; then
     --methods fused,fused_xla,fbgemm --steps 20 --pipeline_steps 0 --profile_steps 0 \
     --json "$out/sweep.json" --plot "$out/sweep.png"
 fi
-python -m pallas_emb.bench_report "$out/w1w2.json"
+python -m pallas_emb.bench.report "$out/w1w2.json"

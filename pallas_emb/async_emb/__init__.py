@@ -7,21 +7,44 @@ functions a training step makes.
 """
 
 from pallas_emb.async_emb.calls import (
-    empty_gradient_update, gradient_update_done, gradient_update_start,
-    lookup_done, lookup_start, make_gradient_update)
-from pallas_emb.async_emb.context import (
-    AsyncEmbContextHandle, context_handles, make_context_handle)
+  empty_gradient_update,
+  gradient_update_done,
+  gradient_update_start,
+  lookup_done,
+  lookup_start,
+  make_gradient_update,
+)
+from pallas_emb.async_emb.context import AsyncEmbContextHandle, context_handles, make_context_handle
 from pallas_emb.async_emb.protocol import (
-    AsyncEmbGradientUpdate, AsyncEmbOptimizer, EmbLookup, EmbOptState,
-    no_fused_update_message, register, registered_async_emb_optimizers,
-    supports_async_emb)
+  AsyncEmbGradientUpdate,
+  AsyncEmbOptimizer,
+  EmbLookup,
+  EmbOptState,
+  no_fused_update_message,
+  register,
+  registered_async_emb_optimizers,
+  supports_async_emb,
+)
 from pallas_emb.async_emb.tracker import IN_FLIGHT, InFlightUpdates
 
 __all__ = [
-    "IN_FLIGHT", "AsyncEmbContextHandle", "AsyncEmbGradientUpdate",
-    "AsyncEmbOptimizer", "EmbLookup", "EmbOptState", "InFlightUpdates",
-    "context_handles", "empty_gradient_update", "gradient_update_done",
-    "gradient_update_start", "lookup_done", "lookup_start",
-    "make_context_handle", "make_gradient_update", "no_fused_update_message",
-    "register", "registered_async_emb_optimizers", "supports_async_emb",
+  "IN_FLIGHT",
+  "AsyncEmbContextHandle",
+  "AsyncEmbGradientUpdate",
+  "AsyncEmbOptimizer",
+  "EmbLookup",
+  "EmbOptState",
+  "InFlightUpdates",
+  "context_handles",
+  "empty_gradient_update",
+  "gradient_update_done",
+  "gradient_update_start",
+  "lookup_done",
+  "lookup_start",
+  "make_context_handle",
+  "make_gradient_update",
+  "no_fused_update_message",
+  "register",
+  "registered_async_emb_optimizers",
+  "supports_async_emb",
 ]

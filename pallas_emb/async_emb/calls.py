@@ -21,7 +21,7 @@ second start before done, and a lookup while the update is in flight.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -29,15 +29,19 @@ import jax.numpy as jnp
 from pallas_emb import programs, validate
 from pallas_emb.async_emb.context import AsyncEmbContextHandle, tie
 from pallas_emb.async_emb.protocol import (
-    AsyncEmbGradientUpdate, EmbLookup, EmbOptState, no_fused_update_message,
-    supports_async_emb)
+  AsyncEmbGradientUpdate,
+  EmbLookup,
+  EmbOptState,
+  no_fused_update_message,
+  supports_async_emb,
+)
 from pallas_emb.async_emb.tracker import IN_FLIGHT
-from pallas_emb.errors import InputError
 from pallas_emb.ids import int32_ids
 
 
-def lookup_start(context: AsyncEmbContextHandle, table: jax.Array,
-                 ids: Mapping[str, jax.Array], gate=None) -> EmbLookup:
+def lookup_start(
+  context: AsyncEmbContextHandle, table: jax.Array, ids: Mapping[str, jax.Array], gate=None
+) -> EmbLookup:
   """Starts the lookup of the context's features.
 
   Args:
@@ -54,18 +58,9 @@ def lookup_start(context: AsyncEmbContextHandle, table: jax.Array,
   """
   IN_FLIGHT.check_idle(context, "lookup_start")
   t = context.sharded_table
-  tokens = validate.check_ids(t.features, ids, t.num_shards,
-                              t.axis)[context.name] * t.num_shards
-  validate.check_placement(ids, t.mesh)
-  if tokens != context.tokens_per_batch:
-    raise InputError(
-        f"lookup_start on table {context.name!r}: the ids hold {tokens} "
-        f"tokens, but the context was made for tokens_per_batch="
-        f"{context.tokens_per_batch}; make a context for this batch shape.")
-  context.check_state(table)
+  validate.check_lookup(t, table, ids, context.tokens_per_batch)
   ids = int32_ids(ids)  # on the host for NumPy ids: before jit can wrap
-  outs, res = programs.lookup(t, tie(table, gate),
-                              tuple(ids[f.name] for f in t.features))
+  outs, res = programs.lookup(t, tie(table, gate), tuple(ids[f.name] for f in t.features))
   return EmbLookup(dict(zip((f.name for f in t.features), outs)), res)
 
 
@@ -75,31 +70,37 @@ def lookup_done(context: AsyncEmbContextHandle, lookup: EmbLookup) -> dict[str, 
   return lookup.acts
 
 
-def make_gradient_update(context: AsyncEmbContextHandle, lookup: EmbLookup,
-                         grads: Mapping[str, jax.Array]) -> AsyncEmbGradientUpdate:
+def make_gradient_update(
+  context: AsyncEmbContextHandle, lookup: EmbLookup, grads: Mapping[str, jax.Array]
+) -> AsyncEmbGradientUpdate:
   """Packs the gradient w.r.t. a lookup's outputs as a pending update."""
   t = context.sharded_table
-  validate.check_feature_grads(context.name, t.features, grads,
-                               [lookup.acts[f.name].shape for f in t.features])
+  validate.check_feature_grads(
+    context.name, t.features, grads, [lookup.acts[f.name].shape for f in t.features]
+  )
   token_grads = programs.token_gradients(
-      t, lookup.residuals, tuple(grads[f.name] for f in t.features))
-  return AsyncEmbGradientUpdate.from_residuals(lookup.residuals, token_grads,
-                                               jnp.asarray(True),
-                                               context.identity)
+    t, lookup.residuals, tuple(grads[f.name] for f in t.features)
+  )
+  return AsyncEmbGradientUpdate.from_residuals(
+    lookup.residuals, token_grads, jnp.asarray(True), context.identity
+  )
 
 
 def empty_gradient_update(context: AsyncEmbContextHandle) -> AsyncEmbGradientUpdate:
   """The update that applies nothing (first step, after a flush)."""
-  res, token_grads = programs.empty_residuals(context.sharded_table,
-                                              context.tokens_per_rank)
-  return AsyncEmbGradientUpdate.from_residuals(res, token_grads,
-                                               jnp.asarray(False),
-                                               context.identity)
+  res, token_grads = programs.empty_residuals(context.sharded_table, context.tokens_per_rank)
+  return AsyncEmbGradientUpdate.from_residuals(
+    res, token_grads, jnp.asarray(False), context.identity
+  )
 
 
-def gradient_update_start(context: AsyncEmbContextHandle,
-                          update: AsyncEmbGradientUpdate, table: jax.Array,
-                          state: EmbOptState, gate=None):
+def gradient_update_start(
+  context: AsyncEmbContextHandle,
+  update: AsyncEmbGradientUpdate,
+  table: jax.Array,
+  state: EmbOptState,
+  gate=None,
+):
   """Launches the table's optimizer update; see `AsyncEmbOptimizer`.
 
   Args:

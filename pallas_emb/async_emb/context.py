@@ -8,7 +8,8 @@ argument. What an update in flight changes is kept in `tracker.IN_FLIGHT`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -18,8 +19,8 @@ from pallas_emb import programs, validate
 from pallas_emb.async_emb.protocol import AsyncEmbGradientUpdate, EmbOptState
 from pallas_emb.async_emb.tracker import IN_FLIGHT
 from pallas_emb.embedding import ShardedEmbedding
-from pallas_emb.errors import InputError, UpdateMismatchError, check_int
-from pallas_emb.shard_ops import ShardedTable
+from pallas_emb.errors import InputError, UpdateMismatchError
+from pallas_emb.sharded_table import ShardedTable
 from pallas_emb.spec import FeatureSpec, TableSpec
 from pallas_emb.state import TableState
 
@@ -102,51 +103,58 @@ class AsyncEmbContextHandle:
     recorded in its `AsyncEmbGradientUpdate`s."""
     t = self.sharded_table
     devices = [d.id for d in t.mesh.devices.flat]
-    return (f"table {t.name!r} ({t.spec.num_rows}x{t.spec.dim} "
-            f"{np.dtype(t.spec.dtype).name}, features "
-            f"{[f.name for f in t.features]}, {t.spec.optimizer!r}) on mesh "
-            f"axis {t.axis!r} over devices {devices}")
+    return (
+      f"table {t.name!r} ({t.spec.num_rows}x{t.spec.dim} "
+      f"{np.dtype(t.spec.dtype).name}, features "
+      f"{[f.name for f in t.features]}, {t.spec.optimizer!r}) on mesh "
+      f"axis {t.axis!r} over devices {devices}"
+    )
 
   def check_state(self, table, slots=None) -> None:
     """Validates the stored table (and slots) against the table's spec and
     mesh."""
-    validate.check_state(self.spec, self.sharded_table.layout, table, slots,
-                         self.mesh)
+    validate.check_state(self.spec, self.sharded_table.layout, table, slots, self.mesh)
 
   def check_update(self, update) -> None:
     """Refuses an update that is not an `AsyncEmbGradientUpdate` of this
     table, optimizer and mesh."""
     if not isinstance(update, AsyncEmbGradientUpdate) or update.plan is None:
       raise InputError(
-          f"gradient_update_start on table {self.name!r} needs an "
-          "AsyncEmbGradientUpdate from make_gradient_update or "
-          f"empty_gradient_update, got {type(update).__name__}.")
+        f"gradient_update_start on table {self.name!r} needs an "
+        "AsyncEmbGradientUpdate from make_gradient_update or "
+        f"empty_gradient_update, got {type(update).__name__}."
+      )
     if update.owner != self.identity:
       raise UpdateMismatchError(
-          f"gradient_update_start on {self.identity} was given the update "
-          f"of {update.owner or 'an unknown context (owner=None)'}; pass "
-          "the update that this table's make_gradient_update (or "
-          "empty_gradient_update) returned.")
-    validate.check_token_grads(self.name, update.grads, self.tokens_per_batch,
-                               self.emb_width)
+        f"gradient_update_start on {self.identity} was given the update "
+        f"of {update.owner or 'an unknown context (owner=None)'}; pass "
+        "the update that this table's make_gradient_update (or "
+        "empty_gradient_update) returned."
+      )
+    validate.check_token_grads(self.name, update.grads, self.tokens_per_batch, self.emb_width)
 
   # -- what the optimizers' protocol methods delegate to ------------------------
 
-  def fused_update_start(self, opt, update: AsyncEmbGradientUpdate, table,
-                         state: EmbOptState, gate=None):
+  def fused_update_start(
+    self, opt, update: AsyncEmbGradientUpdate, table, state: EmbOptState, gate=None
+  ):
     """`AsyncEmbOptimizer.gradient_update_start` through the fused update."""
     if opt != self.spec.optimizer:
       raise InputError(
-          f"gradient_update_start was called on {opt!r}, but table "
-          f"{self.name!r} is trained by {self.spec.optimizer!r}; call it on "
-          "the table's optimizer (or use pallas_emb.gradient_update_start).")
+        f"gradient_update_start was called on {opt!r}, but table "
+        f"{self.name!r} is trained by {self.spec.optimizer!r}; call it on "
+        "the table's optimizer (or use pallas_emb.gradient_update_start)."
+      )
     IN_FLIGHT.check_idle(self, "gradient_update_start")
     self.check_update(update)
     self.check_state(table, state.slots)
     new, metrics = programs.apply_token_gradients(
-        self.sharded_table,
-        TableState(tie(table, gate), dict(state.slots), state.step),
-        update.residuals(), update.grads, update.pending)
+      self.sharded_table,
+      TableState(tie(table, gate), dict(state.slots), state.step),
+      update.residuals(),
+      update.grads,
+      update.pending,
+    )
     IN_FLIGHT.arm(self, metrics.grad_norm, metrics.applied, new.step)
     pins = (metrics.grad_norm, metrics.applied)
     return pins, new.table, EmbOptState(new.slots, new.step), metrics._asdict()
@@ -159,18 +167,18 @@ class AsyncEmbContextHandle:
 
 
 def make_context_handle(
-    mesh: Mesh,
-    table_axis: str,
-    *,
-    data_axis,
-    tokens_per_batch: int,
-    emb_width: int,
-    num_unique: int,
-    table: TableSpec,
-    features: Sequence[FeatureSpec] | None = None,
-    backend: str | None = None,
-    num_devices_per_node: int | None = None,
-    context_id: int = 0,
+  mesh: Mesh,
+  table_axis: str,
+  *,
+  data_axis,
+  tokens_per_batch: int,
+  emb_width: int,
+  num_unique: int,
+  table: TableSpec,
+  features: Sequence[FeatureSpec] | None = None,
+  backend: str | None = None,
+  num_devices_per_node: int | None = None,
+  context_id: int = 0,
 ) -> AsyncEmbContextHandle:
   """Builds the immutable async context of one row-sharded table.
 
@@ -196,56 +204,36 @@ def make_context_handle(
       `data_axis`, more than one token shard per communicator rank, sizes
       not divisible by the group size, or a width that is not the table's.
   """
-  axes = tuple(mesh.axis_names)
-  if table_axis not in axes:
-    raise ValueError(f"table_axis {table_axis!r} is not a mesh axis; the mesh "
-                     f"axes are {axes}.")
-  data_axes = (data_axis,) if isinstance(data_axis, str) else tuple(data_axis)
-  for a in data_axes:
-    if a not in axes:
-      raise ValueError(f"data_axis {a!r} is not a mesh axis; the mesh axes "
-                       f"are {axes}.")
-  if table_axis not in data_axes:
-    raise ValueError(
-        f"table_axis {table_axis!r} is missing from data_axis {data_axes}: the "
-        "tokens must be sharded over the axis the table is sharded over.")
-  group = mesh.shape[table_axis]
-  token_shards = int(np.prod([mesh.shape[a] for a in data_axes]))
-  if token_shards != group:
-    raise ValueError(
-        f"data_axis {data_axes} splits the tokens into {token_shards} shards "
-        f"but the communicator (table_axis {table_axis!r}) has {group} ranks: "
-        "more than one token shard per communicator rank is not supported; "
-        f"use data_axis={table_axis!r}.")
-  tokens_per_batch = check_int(tokens_per_batch, "tokens_per_batch")
-  emb_width = check_int(emb_width, "emb_width")
-  num_unique = check_int(num_unique, "num_unique")
-  if tokens_per_batch % group:
-    raise ValueError(
-        f"tokens_per_batch={tokens_per_batch!r} must be a positive multiple "
-        f"of the group size {group} (devices along {table_axis!r}).")
-  if emb_width != table.dim:
-    raise ValueError(f"emb_width={emb_width} does not match table "
-                     f"{table.name!r}'s dim={table.dim}.")
-  if num_devices_per_node is not None and (
-      check_int(num_devices_per_node, "num_devices_per_node")
-      and mesh.size % num_devices_per_node):
-    raise ValueError(
-        f"num_devices_per_node={num_devices_per_node} must divide the "
-        f"{mesh.size} devices of the mesh.")
+  data_axes, group = validate.check_context_args(
+    mesh,
+    table_axis,
+    data_axis,
+    tokens_per_batch,
+    emb_width,
+    num_unique,
+    table,
+    num_devices_per_node,
+  )
   features = tuple(features or (FeatureSpec(table.name, table.name, None),))
   emb = ShardedEmbedding((table,), features, mesh, table_axis, backend)
+  tokens_per_batch, emb_width, num_unique = int(tokens_per_batch), int(emb_width), int(num_unique)
   tokens_per_rank = tokens_per_batch // group
   return AsyncEmbContextHandle(
-      context_id=context_id,
-      sharded_table=emb.sharded_table(table.name, tokens_per_rank, num_unique),
-      table_axis=table_axis, data_axis=data_axes,
-      tokens_per_batch=tokens_per_batch, emb_width=emb_width,
-      num_unique=num_unique, group_size=group, tokens_per_rank=tokens_per_rank)
+    context_id=context_id,
+    sharded_table=emb.sharded_table(table.name, tokens_per_rank, num_unique),
+    table_axis=table_axis,
+    data_axis=data_axes,
+    tokens_per_batch=tokens_per_batch,
+    emb_width=emb_width,
+    num_unique=num_unique,
+    group_size=group,
+    tokens_per_rank=tokens_per_rank,
+  )
 
 
-def context_handles(emb: ShardedEmbedding, ids: Mapping[str, Any], *,
-                    backend: str | None = None) -> dict[str, AsyncEmbContextHandle]:
+def context_handles(
+  emb: ShardedEmbedding, ids: Mapping[str, Any], *, backend: str | None = None
+) -> dict[str, AsyncEmbContextHandle]:
   """One context per looked-up physical table of `emb` (a stack of tables
   has one), sized for batches like `ids`, with the same capacities as
   `emb`'s synchronous lookup."""
@@ -253,13 +241,18 @@ def context_handles(emb: ShardedEmbedding, ids: Mapping[str, Any], *,
   for i, (name, per_shard) in enumerate(emb.check_ids(ids).items()):
     spec = emb.table_spec(name)
     handle = make_context_handle(
-        emb.mesh, emb.axis, data_axis=emb.axis,
-        tokens_per_batch=per_shard * emb.num_shards, emb_width=spec.dim,
-        num_unique=emb.sharded_table(name, per_shard).capacities.unique,
-        table=spec, features=emb.features_of(name),
-        backend=backend or emb.backend, context_id=i)
+      emb.mesh,
+      emb.axis,
+      data_axis=emb.axis,
+      tokens_per_batch=per_shard * emb.num_shards,
+      emb_width=spec.dim,
+      num_unique=emb.sharded_table(name, per_shard).capacities.unique,
+      table=spec,
+      features=emb.features_of(name),
+      backend=backend or emb.backend,
+      context_id=i,
+    )
     # A stack keeps its members and a replicated table its placement (the
     # handle's own embedding sees one plain table); the capacities agree.
-    handles[name] = dataclasses.replace(
-        handle, sharded_table=emb.sharded_table(name, per_shard))
+    handles[name] = dataclasses.replace(handle, sharded_table=emb.sharded_table(name, per_shard))
   return handles

@@ -9,7 +9,7 @@ route again.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 
@@ -21,9 +21,11 @@ from sharding.route import RoutePlan
 
 def no_fused_update_message(opt) -> str:
   """The reference's sentence for an optimizer without a fused update."""
-  return ("use_async_emb requires an embedding optimizer implementing "
-          f"AsyncEmbOptimizer, and {type(opt).__name__} has no fused table "
-          "update")
+  return (
+    "use_async_emb requires an embedding optimizer implementing "
+    f"AsyncEmbOptimizer, and {type(opt).__name__} has no fused table "
+    "update"
+  )
 
 
 class AsyncEmbGradientUpdate(NamedTuple):
@@ -52,16 +54,16 @@ class AsyncEmbGradientUpdate(NamedTuple):
   grads: jax.Array
   segment_ids: jax.Array
   pending: jax.Array
-  plan: Optional[RoutePlan] = None
-  num_invalid: Optional[jax.Array] = None
-  num_overflow: Optional[jax.Array] = None
-  num_unique: Optional[jax.Array] = None
-  owner: Optional[str] = None
+  plan: RoutePlan | None = None
+  num_invalid: jax.Array | None = None
+  num_overflow: jax.Array | None = None
+  num_unique: jax.Array | None = None
+  owner: str | None = None
 
   @classmethod
-  def from_residuals(cls, residuals: TableResiduals, token_grads: jax.Array,
-                     pending, owner: Optional[str] = None
-                     ) -> "AsyncEmbGradientUpdate":
+  def from_residuals(
+    cls, residuals: TableResiduals, token_grads: jax.Array, pending, owner: str | None = None
+  ) -> AsyncEmbGradientUpdate:
     """An update from a lookup's (or `ShardedEmbedding.plan`'s) residuals and
     (S * tokens_per_shard, dim) per-token gradients in its device order;
     `owner` is the identity of the context that will apply it."""
@@ -69,20 +71,28 @@ class AsyncEmbGradientUpdate(NamedTuple):
     # unique_tokens and segment_ids are the plan's own send_keys and
     # token_slot; the plan does not hold them twice (a donated state may not
     # hold one buffer twice).
-    return cls(unique_tokens=plan.send_keys, grads=token_grads,
-               segment_ids=plan.token_slot, pending=pending,
-               plan=plan._replace(send_keys=None, token_slot=None),
-               num_invalid=residuals.num_invalid,
-               num_overflow=residuals.num_overflow,
-               num_unique=residuals.num_unique, owner=owner)
+    return cls(
+      unique_tokens=plan.send_keys,
+      grads=token_grads,
+      segment_ids=plan.token_slot,
+      pending=pending,
+      plan=plan._replace(send_keys=None, token_slot=None),
+      num_invalid=residuals.num_invalid,
+      num_overflow=residuals.num_overflow,
+      num_unique=residuals.num_unique,
+      owner=owner,
+    )
 
   def residuals(self) -> TableResiduals:
     """The lookup residuals this update routes by."""
-    plan = self.plan._replace(send_keys=self.unique_tokens,
-                              token_slot=self.segment_ids)
-    return TableResiduals(weights=(), plan=plan, num_invalid=self.num_invalid,
-                          num_overflow=self.num_overflow,
-                          num_unique=self.num_unique)
+    plan = self.plan._replace(send_keys=self.unique_tokens, token_slot=self.segment_ids)
+    return TableResiduals(
+      weights=(),
+      plan=plan,
+      num_invalid=self.num_invalid,
+      num_overflow=self.num_overflow,
+      num_unique=self.num_unique,
+    )
 
 
 # The owner is auxiliary data, so it stays a static Python string through
@@ -92,14 +102,18 @@ _ARRAY_FIELDS = AsyncEmbGradientUpdate._fields[:-1]
 
 
 def _flatten_with_keys(update: AsyncEmbGradientUpdate):
-  return (tuple((jax.tree_util.GetAttrKey(k), getattr(update, k))
-                for k in _ARRAY_FIELDS), update.owner)
+  return (
+    tuple((jax.tree_util.GetAttrKey(k), getattr(update, k)) for k in _ARRAY_FIELDS),
+    update.owner,
+  )
 
 
 jax.tree_util.register_pytree_with_keys(
-    AsyncEmbGradientUpdate, _flatten_with_keys,
-    lambda owner, children: AsyncEmbGradientUpdate(*children, owner=owner),
-    lambda update: (tuple(update[:-1]), update.owner))
+  AsyncEmbGradientUpdate,
+  _flatten_with_keys,
+  lambda owner, children: AsyncEmbGradientUpdate(*children, owner=owner),
+  lambda update: (tuple(update[:-1]), update.owner),
+)
 
 
 class EmbOptState(NamedTuple):
@@ -156,9 +170,10 @@ def register(cls: type) -> type:
   """
   if not isinstance(cls, type) or not supports_async_emb(cls):
     raise ConfigError(
-        f"register({cls!r}): only a class that implements both "
-        "gradient_update_start and gradient_update_done can be registered as "
-        "an AsyncEmbOptimizer.")
+      f"register({cls!r}): only a class that implements both "
+      "gradient_update_start and gradient_update_done can be registered as "
+      "an AsyncEmbOptimizer."
+    )
   if cls not in _REGISTRY:
     _REGISTRY.append(cls)
   return cls

@@ -13,7 +13,8 @@ armed in, so a start and its done must be traced in the same function.
 
 from __future__ import annotations
 
-from typing import Any, Hashable, NamedTuple
+from collections.abc import Hashable
+from typing import Any, NamedTuple
 
 import jax
 from jax.extend.core import get_opaque_trace_state
@@ -48,33 +49,39 @@ class InFlightUpdates:
     """Refuses `call` ("gradient_update_start" or "lookup_start") while
     `context` has an update in flight."""
     if context in self._records:
-      what = ("scheduled an update start before the pending update done"
-              if call == "gradient_update_start" else
-              "looked up the table while its gradient update is in flight")
+      what = (
+        "scheduled an update start before the pending update done"
+        if call == "gradient_update_start"
+        else "looked up the table while its gradient update is in flight"
+      )
       raise AsyncEmbStateError(
-          f"{call} on {_describe(context)} {what}: call "
-          "gradient_update_done(context, gate) first. If a previous trace "
-          "failed between start and done, call context.reset().")
+        f"{call} on {_describe(context)} {what}: call "
+        "gradient_update_done(context, gate) first. If a previous trace "
+        "failed between start and done, call context.reset()."
+      )
 
   def arm(self, context, norm, valid, done_pin) -> None:
     """Records a started update (the caller checked `check_idle` first)."""
     self._records[context] = InFlight(
-        norm, valid, done_pin, get_opaque_trace_state(convention="flax"))
+      norm, valid, done_pin, get_opaque_trace_state(convention="flax")
+    )
 
   def consume(self, context) -> InFlight:
     """The armed update of `context`, now collected."""
     record = self._records.get(context)
     if record is None:
       raise AsyncEmbStateError(
-          f"gradient_update_done on {_describe(context)}: update_done has no "
-          "armed update_start to consume; call gradient_update_start(context, "
-          "update, table, state) first.")
+        f"gradient_update_done on {_describe(context)}: update_done has no "
+        "armed update_start to consume; call gradient_update_start(context, "
+        "update, table, state) first."
+      )
     if record.trace != get_opaque_trace_state(convention="flax"):
       raise AsyncEmbStateError(
-          f"gradient_update_done on {_describe(context)} runs in another "
-          "trace than its gradient_update_start: call both in the same "
-          "jitted function (or both eagerly). Call context.reset() to drop "
-          "the stale record.")
+        f"gradient_update_done on {_describe(context)} runs in another "
+        "trace than its gradient_update_start: call both in the same "
+        "jitted function (or both eagerly). Call context.reset() to drop "
+        "the stale record."
+      )
     del self._records[context]
     return record
 

@@ -11,7 +11,8 @@ the same data as an uninterrupted one.
 
 from __future__ import annotations
 
-from typing import Iterator, NamedTuple, Protocol
+from collections.abc import Iterator
+from typing import NamedTuple, Protocol
 
 
 class DataError(ValueError):

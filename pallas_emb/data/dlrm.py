@@ -15,16 +15,41 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
 from pallas_emb.data.base import FeatureInfo
 
 # Criteo Kaggle (DAC) categorical cardinalities, C1..C26.
-CRITEO_ROWS = (1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145,
-               5683, 8351593, 3194, 27, 14992, 5461306, 10, 5652, 2173, 4,
-               7046547, 18, 15, 286181, 105, 142572)
+CRITEO_ROWS = (
+  1460,
+  583,
+  10131227,
+  2202608,
+  305,
+  24,
+  12517,
+  633,
+  3,
+  93145,
+  5683,
+  8351593,
+  3194,
+  27,
+  14992,
+  5461306,
+  10,
+  5652,
+  2173,
+  4,
+  7046547,
+  18,
+  15,
+  286181,
+  105,
+  142572,
+)
 
 _TRAIN, _EVAL = 0, 1
 
@@ -57,8 +82,9 @@ class DlrmClickLog:
 
   @property
   def features(self) -> tuple[FeatureInfo, ...]:
-    return tuple(FeatureInfo(f"C{i + 1}", f"C{i + 1}", self.rows(i), 1, "sum")
-                 for i in range(len(CRITEO_ROWS)))
+    return tuple(
+      FeatureInfo(f"C{i + 1}", f"C{i + 1}", self.rows(i), 1, "sum") for i in range(len(CRITEO_ROWS))
+    )
 
   def rows(self, i: int) -> int:
     return min(CRITEO_ROWS[i], self.max_rows or CRITEO_ROWS[i])
@@ -71,38 +97,44 @@ class DlrmClickLog:
   @functools.cached_property
   def _truth(self):
     rng = np.random.default_rng([self.seed, 2])
-    return {"bias": [rng.normal(size=self.rows(i)) * 0.4
-                     for i in range(len(CRITEO_ROWS))],
-            "w": rng.normal(size=self.num_dense) * 0.3}
+    return {
+      "bias": [rng.normal(size=self.rows(i)) * 0.4 for i in range(len(CRITEO_ROWS))],
+      "w": rng.normal(size=self.num_dense) * 0.3,
+    }
 
   def _examples(self, rng, n) -> dict:
     t = self._truth
-    ids = {f.name: ((rng.zipf(self.zipf_a, n) - 1) % f.num_rows).astype(np.int32)
-           for f in self.features}
+    ids = {
+      f.name: ((rng.zipf(self.zipf_a, n) - 1) % f.num_rows).astype(np.int32) for f in self.features
+    }
     dense = rng.normal(size=(n, self.num_dense)).astype(np.float32)
     logit = sum(b[ids[f.name]] for b, f in zip(t["bias"], self.features))
     logit = logit / np.sqrt(len(CRITEO_ROWS)) + dense @ t["w"] - 1.0
     label = (rng.random(n) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
-    return {"ids": {k: v[:, None] for k, v in ids.items()}, "dense": dense,
-            "label": label, "weight": np.ones(n, np.float32),
-            "true_logit": logit.astype(np.float32)}
+    return {
+      "ids": {k: v[:, None] for k, v in ids.items()},
+      "dense": dense,
+      "label": label,
+      "weight": np.ones(n, np.float32),
+      "true_logit": logit.astype(np.float32),
+    }
 
   def train_batch(self, index: int, batch_size: int) -> dict:
     """Training batch `index` (any int >= 0): deterministic."""
-    return self._examples(np.random.default_rng([self.seed, _TRAIN, index]),
-                          batch_size)
+    return self._examples(np.random.default_rng([self.seed, _TRAIN, index]), batch_size)
 
   @functools.cached_property
   def _eval_set(self) -> dict:
-    return self._examples(np.random.default_rng([self.seed, _EVAL]),
-                          self.eval_examples)
+    return self._examples(np.random.default_rng([self.seed, _EVAL]), self.eval_examples)
 
   def eval_batches(self, batch_size: int) -> Iterator[dict]:
     """The held-out set in batches; the last zero-weighted past its end."""
     n = self.eval_examples
     for start in range(0, n, batch_size):
       idx = np.minimum(np.arange(start, start + batch_size), n - 1)
-      batch = {k: ({f: a[idx] for f, a in v.items()} if isinstance(v, dict)
-                   else v[idx]) for k, v in self._eval_set.items()}
+      batch = {
+        k: ({f: a[idx] for f, a in v.items()} if isinstance(v, dict) else v[idx])
+        for k, v in self._eval_set.items()
+      }
       batch["weight"] = (np.arange(start, start + batch_size) < n).astype(np.float32)
       yield batch

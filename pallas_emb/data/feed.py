@@ -9,7 +9,8 @@ uninterrupted one would.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import grain
 import jax
@@ -60,8 +61,10 @@ class GlobalBatches:
     self.dataset, self.batch_size, self.sharding = dataset, batch_size, sharding
     n = jax.process_count()
     if batch_size % n:
-      raise DataError(f"batch size {batch_size} must be a multiple of the {n} "
-                      "processes: each feeds an equal slice.")
+      raise DataError(
+        f"batch size {batch_size} must be a multiple of the {n} "
+        "processes: each feeds an equal slice."
+      )
     self.lo = jax.process_index() * batch_size // n
     self.hi = self.lo + batch_size // n
     self.source = ProcessRows(dataset, batch_size, self.lo, self.hi)
@@ -70,8 +73,7 @@ class GlobalBatches:
     batch = {k: v for k, v in batch.items() if k != "true_logit"}
     if "ids" in batch:
       # Converted here on the host, before JAX would wrap int64 ids.
-      batch["ids"] = int32_ids({k: jax.tree.map(np.asarray, v)
-                                for k, v in batch["ids"].items()})
+      batch["ids"] = int32_ids({k: jax.tree.map(np.asarray, v) for k, v in batch["ids"].items()})
     n, p = jax.process_count(), jax.process_index()
 
     def one(x):
@@ -81,10 +83,12 @@ class GlobalBatches:
       x = np.asarray(x)
       if local:
         return jax.make_array_from_process_local_data(
-            self.sharding, x, (x.shape[0] * n, *x.shape[1:]))
+          self.sharding, x, (x.shape[0] * n, *x.shape[1:])
+        )
       lo = x.shape[0] * p // n
       return jax.make_array_from_process_local_data(
-          self.sharding, x[lo:lo + x.shape[0] // n], x.shape)
+        self.sharding, x[lo : lo + x.shape[0] // n], x.shape
+      )
 
     return jax.tree.map(one, batch)
 
@@ -101,14 +105,14 @@ class GlobalBatches:
     process reads only its rows)."""
     return self._global(self.source[index], local=True)
 
-  def iterator(self, state: dict[str, Any] | None = None,
-               start: int = 0) -> grain.DatasetIterator:
+  def iterator(self, state: dict[str, Any] | None = None, start: int = 0) -> grain.DatasetIterator:
     """A grain iterator over the training batches (global arrays) from
     batch `start`, or from a saved `iterator.get_state()`."""
-    ds = (grain.MapDataset.source(self.source)
-          .map(lambda rows: self._global(rows, local=True))
-          .to_iter_dataset(read_options=grain.ReadOptions(
-              num_threads=0, prefetch_buffer_size=0)))
+    ds = (
+      grain.MapDataset.source(self.source)
+      .map(lambda rows: self._global(rows, local=True))
+      .to_iter_dataset(read_options=grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+    )
     it = iter(ds)
     it.set_state(dict(state) if state else {"next_index": start})
     return it

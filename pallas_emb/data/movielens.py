@@ -22,7 +22,8 @@ import collections
 import dataclasses
 import math
 import os
-from typing import Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import numpy as np
 
@@ -56,18 +57,21 @@ def _parse_line(line: str, sep: str | None, path: str, lineno: int):
   where = f"{path}:{lineno}"
   if len(fields) != 4:
     raise DataError(
-        f"{where}: expected 4 fields (user, item, rating, timestamp), "
-        f"got {len(fields)}: {line.strip()[:80]!r}")
+      f"{where}: expected 4 fields (user, item, rating, timestamp), "
+      f"got {len(fields)}: {line.strip()[:80]!r}"
+    )
   try:
     user, item = int(fields[0]), int(fields[1])
     rating = float(fields[2])
   except ValueError as e:
     raise DataError(
-        f"{where}: cannot parse {line.strip()[:80]!r} as integer user and "
-        f"item ids and a numeric rating ({e}).") from None
+      f"{where}: cannot parse {line.strip()[:80]!r} as integer user and "
+      f"item ids and a numeric rating ({e})."
+    ) from None
   if not math.isfinite(rating):
-    raise DataError(f"{where}: rating {fields[2].strip()!r} is not a finite "
-                    "number; fix or drop the line.")
+    raise DataError(
+      f"{where}: rating {fields[2].strip()!r} is not a finite number; fix or drop the line."
+    )
   return user, item, rating, _timestamp(fields[3].strip(), where)
 
 
@@ -80,16 +84,20 @@ def _timestamp(text: str, where: str) -> int:
     try:
       number = float(text)
     except ValueError:
-      raise DataError(f"{where}: timestamp {text!r} is not a number; it "
-                      "must be integer seconds since the epoch.") from None
+      raise DataError(
+        f"{where}: timestamp {text!r} is not a number; it must be integer seconds since the epoch."
+      ) from None
     if not math.isfinite(number) or number != int(number):
-      raise DataError(f"{where}: timestamp {text!r} is not an integer "
-                      "number of seconds since the epoch; fix or drop the "
-                      "line.")
+      raise DataError(
+        f"{where}: timestamp {text!r} is not an integer "
+        "number of seconds since the epoch; fix or drop the "
+        "line."
+      ) from None
     value = int(number)
   if not _INT64.min <= value <= _INT64.max:
-    raise DataError(f"{where}: timestamp {text!r} does not fit int64 seconds; "
-                    "fix or drop the line.")
+    raise DataError(
+      f"{where}: timestamp {text!r} does not fit int64 seconds; fix or drop the line."
+    )
   return value
 
 
@@ -109,8 +117,10 @@ def load_ratings(path: str) -> Ratings:
       line number).
   """
   if not os.path.isfile(path):
-    raise DataError(f"MovieLens ratings file {path!r} does not exist; pass "
-                    "--data=movielens:PATH to u.data, ratings.dat or ratings.csv.")
+    raise DataError(
+      f"MovieLens ratings file {path!r} does not exist; pass "
+      "--data=movielens:PATH to u.data, ratings.dat or ratings.csv."
+    )
   name = os.path.basename(path)
   if name.endswith(".csv"):
     sep = ","
@@ -129,12 +139,17 @@ def load_ratings(path: str) -> Ratings:
   if not rows:
     raise DataError(f"MovieLens ratings file {path!r} holds no ratings.")
   user, item, rating, timestamp = zip(*rows)
-  return Ratings(_id_array(list(user)), _id_array(list(item)),
-                 np.array(rating, np.float64), np.array(timestamp, np.int64))
+  return Ratings(
+    _id_array(list(user)),
+    _id_array(list(item)),
+    np.array(rating, np.float64),
+    np.array(timestamp, np.int64),
+  )
 
 
-def user_histories(user: np.ndarray, item: np.ndarray, positive: np.ndarray,
-                   timestamp: np.ndarray, cap: int) -> np.ndarray:
+def user_histories(
+  user: np.ndarray, item: np.ndarray, positive: np.ndarray, timestamp: np.ndarray, cap: int
+) -> np.ndarray:
   """(N, cap) int32: per rating (time-sorted input), the items its user
   rated positively at strictly earlier timestamps, newest first, -1 padded.
 
@@ -154,7 +169,7 @@ def user_histories(user: np.ndarray, item: np.ndarray, positive: np.ndarray,
         hist.extend(pending)
         pending = []
       if hist:
-        out[j, :len(hist)] = list(reversed(hist))
+        out[j, : len(hist)] = list(reversed(hist))
       if positive[j]:
         pending.append(item[j])
         pending_ts = timestamp[j]
@@ -187,8 +202,9 @@ class MovieLens:
   num_dense = 0
 
   @classmethod
-  def from_file(cls, path: str, *, eval_fraction: float = 0.1,
-                seed: int = 0, history_len: int = 16) -> "MovieLens":
+  def from_file(
+    cls, path: str, *, eval_fraction: float = 0.1, seed: int = 0, history_len: int = 16
+  ) -> MovieLens:
     """Reads `path`; the latest `eval_fraction` of ratings evaluate;
     `history_len` caps the history bag (0: no history feature)."""
     if not 0.0 < eval_fraction < 1.0:
@@ -196,31 +212,41 @@ class MovieLens:
     r = load_ratings(path)
     n = len(r.rating)
     if n < 2:
-      raise DataError(f"MovieLens ratings file {path!r} holds {n} rating; "
-                      "a train/eval split needs at least 2.")
+      raise DataError(
+        f"MovieLens ratings file {path!r} holds {n} rating; a train/eval split needs at least 2."
+      )
     order = np.argsort(r.timestamp, kind="stable")
     _, user = np.unique(r.user[order], return_inverse=True)
     _, item = np.unique(r.item[order], return_inverse=True)
     ts = r.timestamp[order]
     label = r.rating[order] >= 4
     num_train = min(max(int(round(n * (1 - eval_fraction))), 1), n - 1)
-    return cls(user=user.astype(np.int32), item=item.astype(np.int32),
-               hour=((ts // 3600) % 24).astype(np.int32),
-               weekday=((ts // 86400 + 4) % 7).astype(np.int32),  # 1970-01-01: Thursday
-               history=user_histories(user, item, label, ts, history_len),
-               label=label.astype(np.float32), num_train=num_train,
-               num_users=int(user.max()) + 1, num_items=int(item.max()) + 1,
-               seed=seed)
+    return cls(
+      user=user.astype(np.int32),
+      item=item.astype(np.int32),
+      hour=((ts // 3600) % 24).astype(np.int32),
+      weekday=((ts // 86400 + 4) % 7).astype(np.int32),  # 1970-01-01: Thursday
+      history=user_histories(user, item, label, ts, history_len),
+      label=label.astype(np.float32),
+      num_train=num_train,
+      num_users=int(user.max()) + 1,
+      num_items=int(item.max()) + 1,
+      seed=seed,
+    )
 
   @property
   def features(self) -> tuple[FeatureInfo, ...]:
-    return (FeatureInfo("user", "user", self.num_users, 1, "sum"),
-            FeatureInfo("item", "item", self.num_items, 1, "sum"),
-            FeatureInfo("hour", "hour", 24, 1, "sum"),
-            FeatureInfo("weekday", "weekday", 7, 1, "sum"),
-            *([FeatureInfo("history", "item", self.num_items,
-                           self.history.shape[1], "mean")]
-              if self.history.shape[1] else []))
+    return (
+      FeatureInfo("user", "user", self.num_users, 1, "sum"),
+      FeatureInfo("item", "item", self.num_items, 1, "sum"),
+      FeatureInfo("hour", "hour", 24, 1, "sum"),
+      FeatureInfo("weekday", "weekday", 7, 1, "sum"),
+      *(
+        [FeatureInfo("history", "item", self.num_items, self.history.shape[1], "mean")]
+        if self.history.shape[1]
+        else []
+      ),
+    )
 
   @property
   def train_size(self) -> int:
@@ -231,17 +257,25 @@ class MovieLens:
     """(train, eval) (user, item, label) columns of the time split, for
     the baselines (`pallas_emb.baselines.Columns`-like tuples)."""
     cut = self.num_train
-    return ((self.user[:cut], self.item[:cut], self.label[:cut]),
-            (self.user[cut:], self.item[cut:], self.label[cut:]))
+    return (
+      (self.user[:cut], self.item[:cut], self.label[:cut]),
+      (self.user[cut:], self.item[cut:], self.label[cut:]),
+    )
 
   def _batch(self, idx: np.ndarray, weight: np.ndarray) -> dict:
     col = lambda a: a[idx][:, None].astype(np.int32)
-    return {"ids": {"user": col(self.user), "item": col(self.item),
-                    "hour": col(self.hour), "weekday": col(self.weekday),
-                    **({"history": self.history[idx]}
-                       if self.history.shape[1] else {})},
-            "dense": np.zeros((len(idx), 0), np.float32),
-            "label": self.label[idx], "weight": weight.astype(np.float32)}
+    return {
+      "ids": {
+        "user": col(self.user),
+        "item": col(self.item),
+        "hour": col(self.hour),
+        "weekday": col(self.weekday),
+        **({"history": self.history[idx]} if self.history.shape[1] else {}),
+      },
+      "dense": np.zeros((len(idx), 0), np.float32),
+      "label": self.label[idx],
+      "weight": weight.astype(np.float32),
+    }
 
   def train_batch(self, index: int, batch_size: int) -> dict:
     """Batch `index` of an endless, per-epoch shuffled pass over train."""

@@ -12,9 +12,15 @@ from __future__ import annotations
 import numpy as np
 
 
-def write_simulated_ratings(path: str, *, num_users: int = 2000,
-                            num_items: int = 1000, ratings_per_user: int = 50,
-                            latent_dim: int = 8, seed: int = 0) -> int:
+def write_simulated_ratings(
+  path: str,
+  *,
+  num_users: int = 2000,
+  num_items: int = 1000,
+  ratings_per_user: int = 50,
+  latent_dim: int = 8,
+  seed: int = 0,
+) -> int:
   """Writes the ratings to `path` (u.data format) -> number of ratings."""
   rng = np.random.default_rng(seed)
   taste = rng.normal(size=(num_users, latent_dim)) / np.sqrt(latent_dim) * 2.5
@@ -29,11 +35,9 @@ def write_simulated_ratings(path: str, *, num_users: int = 2000,
     affinity = taste[u] @ appeal.T + item_bias
     # Users pick what is popular and what they like.
     pick = popularity * np.exp(0.3 * affinity)
-    items = rng.choice(num_items, size=min(n, num_items), replace=False,
-                       p=pick / pick.sum())
+    items = rng.choice(num_items, size=min(n, num_items), replace=False, p=pick / pick.sum())
     positive = rng.uniform(size=len(items)) < 1 / (1 + np.exp(-affinity[items]))
-    rating = np.where(positive, rng.integers(4, 6, len(items)),
-                      rng.integers(1, 4, len(items)))
+    rating = np.where(positive, rng.integers(4, 6, len(items)), rng.integers(1, 4, len(items)))
     times = arrival[u] + np.sort(rng.exponential(0.05, len(items)))
     for i, r, t in zip(items, rating, times):
       rows.append((u + 1, int(i) + 1, int(r), int(8.8e8 + t * 3e7)))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -31,14 +31,17 @@ _BLOCK = 16
 
 def _concat_examples(parts: list[dict]) -> dict:
   """Example dicts (nested) -> one, rows concatenated."""
-  return {k: _concat_examples([p[k] for p in parts]) if isinstance(parts[0][k], dict)
-          else np.concatenate([p[k] for p in parts]) for k in parts[0]}
+  return {
+    k: _concat_examples([p[k] for p in parts])
+    if isinstance(parts[0][k], dict)
+    else np.concatenate([p[k] for p in parts])
+    for k in parts[0]
+  }
 
 
 def _take_examples(tree: dict, idx: np.ndarray) -> dict:
   """Rows `idx` of every array of a (nested) batch dict."""
-  return {k: _take_examples(v, idx) if isinstance(v, dict) else v[idx]
-          for k, v in tree.items()}
+  return {k: _take_examples(v, idx) if isinstance(v, dict) else v[idx] for k, v in tree.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,22 +70,24 @@ class SyntheticClickLog:
 
   @property
   def features(self) -> tuple[FeatureInfo, ...]:
-    return (FeatureInfo("user", "user", self.num_users, 1, "sum"),
-            FeatureInfo("item", "item", self.num_items, 1, "sum"),
-            FeatureInfo("category", "category", self.num_categories, 1, "sum"),
-            FeatureInfo("history", "item", self.num_items, self.history_len, "mean"))
+    return (
+      FeatureInfo("user", "user", self.num_users, 1, "sum"),
+      FeatureInfo("item", "item", self.num_items, 1, "sum"),
+      FeatureInfo("category", "category", self.num_categories, 1, "sum"),
+      FeatureInfo("history", "item", self.num_items, self.history_len, "mean"),
+    )
 
   @functools.cached_property
   def _truth(self):
     rng = np.random.default_rng([self.seed, 2])
     k = self.latent_dim
     return {
-        "u": rng.normal(size=(self.num_users, k)) / np.sqrt(k),
-        "v": rng.normal(size=(self.num_items, k)) / np.sqrt(k),
-        "item_bias": rng.normal(size=self.num_items) * 0.8,
-        "item_category": rng.integers(0, self.num_categories, self.num_items),
-        "category_bias": rng.normal(size=self.num_categories),
-        "w": rng.normal(size=self.num_dense) * 0.5,
+      "u": rng.normal(size=(self.num_users, k)) / np.sqrt(k),
+      "v": rng.normal(size=(self.num_items, k)) / np.sqrt(k),
+      "item_bias": rng.normal(size=self.num_items) * 0.8,
+      "item_category": rng.integers(0, self.num_categories, self.num_items),
+      "category_bias": rng.normal(size=self.num_categories),
+      "w": rng.normal(size=self.num_dense) * 0.5,
     }
 
   def _zipf(self, rng, n, vocab):
@@ -99,24 +104,38 @@ class SyntheticClickLog:
     dense = rng.normal(size=(n, self.num_dense)).astype(np.float32)
     hv = np.where((history >= 0)[..., None], t["v"][np.maximum(history, 0)], 0.0)
     history_effect = np.einsum("nhk,nk->n", hv, t["v"][item]) / np.maximum(lengths, 1)
-    logit = (2.0 * np.einsum("nk,nk->n", t["u"][user], t["v"][item])
-             + t["item_bias"][item] + t["category_bias"][category]
-             + dense @ t["w"] + history_effect - 1.0)
+    logit = (
+      2.0 * np.einsum("nk,nk->n", t["u"][user], t["v"][item])
+      + t["item_bias"][item]
+      + t["category_bias"][category]
+      + dense @ t["w"]
+      + history_effect
+      - 1.0
+    )
     label = (rng.random(n) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
     return {
-        "ids": {"user": user[:, None], "item": item[:, None],
-                "category": category[:, None], "history": history.astype(np.int32)},
-        "dense": dense, "label": label, "weight": np.ones(n, np.float32),
-        "true_logit": logit.astype(np.float32),
+      "ids": {
+        "user": user[:, None],
+        "item": item[:, None],
+        "category": category[:, None],
+        "history": history.astype(np.int32),
+      },
+      "dense": dense,
+      "label": label,
+      "weight": np.ones(n, np.float32),
+      "true_logit": logit.astype(np.float32),
     }
 
   def train_rows(self, index: int, batch_size: int, lo: int, hi: int) -> dict:
     """Rows [lo, hi) of training batch `index`, generating only the blocks
     they overlap."""
     first, last = lo // _BLOCK, -(-hi // _BLOCK)
-    parts = [self._examples(np.random.default_rng([self.seed, _TRAIN, index, j]),
-                            min(_BLOCK, batch_size - j * _BLOCK))
-             for j in range(first, last)]
+    parts = [
+      self._examples(
+        np.random.default_rng([self.seed, _TRAIN, index, j]), min(_BLOCK, batch_size - j * _BLOCK)
+      )
+      for j in range(first, last)
+    ]
     offset = first * _BLOCK
     return _take_examples(_concat_examples(parts), np.arange(lo - offset, hi - offset))
 
@@ -126,8 +145,7 @@ class SyntheticClickLog:
 
   @functools.cached_property
   def _eval_set(self) -> dict:
-    return self._examples(np.random.default_rng([self.seed, _EVAL]),
-                          self.eval_examples)
+    return self._examples(np.random.default_rng([self.seed, _EVAL]), self.eval_examples)
 
   def eval_batches(self, batch_size: int) -> Iterator[dict]:
     """The held-out set (the same examples whatever the batch size), in

@@ -1,25 +1,19 @@
 """Row gather and fused optimizer update over one device's row shard.
 
 `gather` and `fused_update` dispatch on a backend name ("pallas",
-"interpret", "xla", "native"); see `backend.py`. The native CPU backend adds
-two operations: `unique_impl`, the dedup core that `sharding.dedup` takes,
-and `segment_sum_update`, one device's whole update in one pass. A leaf of the package: kernels import
-only `errors` and `packing`, take any optimizer with `update_rows` (see
-`protocol.RowUpdate`) and know nothing of training.
+"interpret", "xla", "native"); see `backend.py`. The Pallas kernels are
+`pallas_gather` and `pallas_update`, the XLA path (their oracle) is `xla`.
+The native CPU backend adds two operations: `unique_impl`, the dedup core
+that `sharding.dedup` takes, and `segment_sum_update`, one device's whole
+update in one pass. A leaf of the package: kernels import only `errors` and
+`packing`, take any optimizer with `update_rows` (see `protocol.RowUpdate`)
+and know nothing of training.
 """
 
 from __future__ import annotations
 
-# The kernel modules share their names with the dispatch functions below.
-# Importing them first, before the functions are defined, lets the functions
-# take the package attributes: a module's first import sets the attribute of
-# its name on the package, so a lazy import would replace `fused_update` the
-# function by `fused_update` the module after its first call.
-from pallas_emb.kernels import fused_update as _pallas_update
-from pallas_emb.kernels import gather as _pallas_gather
-from pallas_emb.kernels import chip, native, xla
-from pallas_emb.kernels.backend import (
-    BACKENDS, check_name, default_backend, resolve_backend)
+from pallas_emb.kernels import chip, native, pallas_gather, pallas_update, xla
+from pallas_emb.kernels.backend import BACKENDS, check_name, default_backend, resolve_backend
 
 
 def _kernel_mode(backend: str) -> bool:
@@ -39,8 +33,7 @@ def uses_kernel(backend: str, table, slots=None, optimizer=None) -> bool:
   """
   if check_name(backend) in ("xla", "native"):
     return False
-  if slots is not None and not _pallas_update.supports(
-      table, slots, optimizer.slot_specs()):
+  if slots is not None and not pallas_update.supports(table, slots, optimizer.slot_specs()):
     return False
   return backend == "interpret" or table.shape[1] % chip.LANES == 0
 
@@ -49,22 +42,30 @@ def gather(table, rows, *, dtype, backend: str):
   """(C,) local rows (-1 padding) of a stored table -> (C, dim) float32."""
   if not uses_kernel(backend, table):
     return xla.gather(table, rows, dtype=dtype)
-  return _pallas_gather.gather(table, rows, dtype=dtype,
-                               interpret=_kernel_mode(backend))
+  return pallas_gather.gather(table, rows, dtype=dtype, interpret=_kernel_mode(backend))
 
 
-def fused_update(table, slots, rows, grads, scalars, apply, *, optimizer,
-                 dtype, backend: str):
+def fused_update(table, slots, rows, grads, scalars, apply, *, optimizer, dtype, backend: str):
   """In-place optimizer update of distinct rows; see `xla.fused_update`."""
   if backend == "native" and native.supports(optimizer, dtype):
-    return native.fused_update(table, slots, rows, grads, scalars, apply,
-                               optimizer=optimizer, dtype=dtype)
+    return native.fused_update(
+      table, slots, rows, grads, scalars, apply, optimizer=optimizer, dtype=dtype
+    )
   if not uses_kernel(backend, table, slots, optimizer):
-    return xla.fused_update(table, slots, rows, grads, scalars, apply,
-                            optimizer=optimizer, dtype=dtype)
-  return _pallas_update.fused_update(table, slots, rows, grads, scalars,
-                                     apply, optimizer=optimizer, dtype=dtype,
-                                     interpret=_kernel_mode(backend))
+    return xla.fused_update(
+      table, slots, rows, grads, scalars, apply, optimizer=optimizer, dtype=dtype
+    )
+  return pallas_update.fused_update(
+    table,
+    slots,
+    rows,
+    grads,
+    scalars,
+    apply,
+    optimizer=optimizer,
+    dtype=dtype,
+    interpret=_kernel_mode(backend),
+  )
 
 
 def unique_impl(backend: str):
@@ -77,14 +78,23 @@ def fuses_segment_sum(backend: str, optimizer, dtype) -> bool:
   return backend == "native" and native.supports(optimizer, dtype)
 
 
-def segment_sum_update(table, slots, rows, inverse, token_grads, scalars,
-                       gate, *, optimizer, dtype):
+def segment_sum_update(
+  table, slots, rows, inverse, token_grads, scalars, gate, *, optimizer, dtype
+):
   """Sum per row, norm, gate and update in one pass (when
   `fuses_segment_sum`); see `native.segment_sum_update`."""
-  return native.segment_sum_update(table, slots, rows, inverse, token_grads,
-                                    scalars, gate, optimizer=optimizer,
-                                    dtype=dtype)
+  return native.segment_sum_update(
+    table, slots, rows, inverse, token_grads, scalars, gate, optimizer=optimizer, dtype=dtype
+  )
 
 
-__all__ = ["BACKENDS", "default_backend", "fused_update", "fuses_segment_sum",
-           "gather", "resolve_backend", "segment_sum_update", "unique_impl"]
+__all__ = [
+  "BACKENDS",
+  "default_backend",
+  "fused_update",
+  "fuses_segment_sum",
+  "gather",
+  "resolve_backend",
+  "segment_sum_update",
+  "unique_impl",
+]

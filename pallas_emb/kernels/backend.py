@@ -19,7 +19,7 @@ interpret mode.
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 
@@ -36,8 +36,9 @@ def platform_of(devices: Sequence[jax.Device] | None = None) -> str:
     return jax.default_backend()
   platforms = {d.platform for d in devices}
   if len(platforms) != 1:
-    raise BackendError(f"the mesh mixes platforms {sorted(platforms)}; put "
-                       "the tables on devices of one platform.")
+    raise BackendError(
+      f"the mesh mixes platforms {sorted(platforms)}; put the tables on devices of one platform."
+    )
   return platforms.pop()
 
 
@@ -57,8 +58,7 @@ def default_backend(devices: Sequence[jax.Device] | None = None) -> str:
 def check_name(backend: str) -> str:
   """Validates a backend name."""
   if backend not in BACKENDS:
-    raise BackendError(
-        f"backend must be one of {BACKENDS}, got {backend!r}.")
+    raise BackendError(f"backend must be one of {BACKENDS}, got {backend!r}.")
   return backend
 
 
@@ -69,24 +69,25 @@ def check_backend(backend: str, devices: Sequence[jax.Device] | None = None) -> 
   platform = platform_of(devices)
   if backend == "pallas" and platform != "tpu":
     raise BackendError(
-        f"backend 'pallas' compiles Mosaic kernels and needs a TPU mesh, but "
-        f"the tables are on {platform!r} devices; use 'interpret' to run the "
-        "kernels in the TPU interpreter, or 'xla'.")
+      f"backend 'pallas' compiles Mosaic kernels and needs a TPU mesh, but "
+      f"the tables are on {platform!r} devices; use 'interpret' to run the "
+      "kernels in the TPU interpreter, or 'xla'."
+    )
   if backend == "native":
     if platform != "cpu":
       raise BackendError(
-          f"backend 'native' runs C++ kernels on CPU devices, but the tables "
-          f"are on {platform!r} devices; use 'xla' (or the default).")
+        f"backend 'native' runs C++ kernels on CPU devices, but the tables "
+        f"are on {platform!r} devices; use 'xla' (or the default)."
+      )
     status = native_lib.status()
     if not status.available:
       raise BackendError(
-          f"backend 'native' is unavailable: {status.reason}. Install a C++17 "
-          "compiler and cmake and reinstall (pip install .), or use 'xla'.")
+        f"backend 'native' is unavailable: {status.reason}. Install a C++17 "
+        "compiler and cmake and reinstall (pip install .), or use 'xla'."
+      )
   return backend
 
 
-def resolve_backend(backend: str | None,
-                    devices: Sequence[jax.Device] | None = None) -> str:
+def resolve_backend(backend: str | None, devices: Sequence[jax.Device] | None = None) -> str:
   """`backend`, validated, or the default for tables on `devices`."""
-  return (default_backend(devices) if backend is None
-          else check_backend(backend, devices))
+  return default_backend(devices) if backend is None else check_backend(backend, devices)

@@ -8,7 +8,7 @@ shapes and dtypes only.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
@@ -32,8 +32,9 @@ def interpret_params(interpret) -> pltpu.InterpretParams | bool:
   if isinstance(interpret, (bool, np.bool_)):
     return pltpu.InterpretParams() if interpret else False
   raise ConfigError(
-      f"interpret must be a bool or a pltpu.InterpretParams, got "
-      f"{interpret!r} of type {type(interpret).__name__}.")
+    f"interpret must be a bool or a pltpu.InterpretParams, got "
+    f"{interpret!r} of type {type(interpret).__name__}."
+  )
 
 
 def chunk_size(chunk_rows, num_ids: int) -> int:
@@ -42,14 +43,14 @@ def chunk_size(chunk_rows, num_ids: int) -> int:
   Raises:
     ConfigError: `chunk_rows` is not a positive multiple of 8.
   """
-  is_int = (isinstance(chunk_rows, (int, np.integer))
-            and not isinstance(chunk_rows, bool))
+  is_int = isinstance(chunk_rows, (int, np.integer)) and not isinstance(chunk_rows, bool)
   if not is_int or chunk_rows < SUBLANES or chunk_rows % SUBLANES:
     fix = round_up(max(int(chunk_rows), SUBLANES), SUBLANES) if is_int else 128
     raise ConfigError(
-        f"chunk_rows must be a positive multiple of {SUBLANES} (the TPU "
-        f"sublane count, so every VMEM buffer is whole (8, 128) tiles), got "
-        f"{chunk_rows!r}; use e.g. chunk_rows={fix}.")
+      f"chunk_rows must be a positive multiple of {SUBLANES} (the TPU "
+      f"sublane count, so every VMEM buffer is whole (8, 128) tiles), got "
+      f"{chunk_rows!r}; use e.g. chunk_rows={fix}."
+    )
   return min(int(chunk_rows), round_up(max(num_ids, 1), SUBLANES))
 
 
@@ -57,10 +58,11 @@ def check_rows(rows, name: str = "rows") -> int:
   """Validates (U,) int32 local row ids; returns U."""
   if np.dtype(rows.dtype) != np.int32 or rows.ndim != 1:
     raise InputError(
-        f"{name} must be a 1-D int32 array of local row ids (-1 = padding), "
-        f"got {rows.dtype}{list(rows.shape)}; flatten it and convert it with "
-        "pallas_emb.int32_ids(rows), which makes ids outside int32 invalid "
-        "instead of wrapping them onto a row as .astype(jnp.int32) would.")
+      f"{name} must be a 1-D int32 array of local row ids (-1 = padding), "
+      f"got {rows.dtype}{list(rows.shape)}; flatten it and convert it with "
+      "pallas_emb.int32_ids(rows), which makes ids outside int32 invalid "
+      "instead of wrapping them onto a row as .astype(jnp.int32) would."
+    )
   return rows.shape[0]
 
 
@@ -72,17 +74,25 @@ def check_stored_table(table, dtype) -> int:
   want = packing.storage_dtype(dtype)
   if table.ndim != 2 or np.dtype(table.dtype) != want:
     raise InputError(
-        f"a {dtype} table is stored as a 2-D {want} array (see "
-        f"pallas_emb.packing), got {table.dtype}{list(table.shape)}; build it "
-        "with packing.to_storage / ShardedEmbedding.init.")
+      f"a {dtype} table is stored as a 2-D {want} array (see "
+      f"pallas_emb.packing), got {table.dtype}{list(table.shape)}; build it "
+      "with packing.to_storage / ShardedEmbedding.init."
+    )
   width = table.shape[1]
   return 2 * width if dtype == packing.SUPPORTED_DTYPES[1] else width
 
 
-def check_slots(slots: Mapping, specs: Mapping[str, packing.SlotSpec],
-                num_rows: int, dim: int, *, owner: str, fix: str,
-                table: str | None = None,
-                rows_per_shard: int | None = None) -> None:
+def check_slots(
+  slots: Mapping,
+  specs: Mapping[str, packing.SlotSpec],
+  num_rows: int,
+  dim: int,
+  *,
+  owner: str,
+  fix: str,
+  table: str | None = None,
+  rows_per_shard: int | None = None,
+) -> None:
   """Validates slots against an optimizer's `slot_specs()`: the same names,
   and each slot stored as `SlotSpec.shape_for` says, of its dtype.
 
@@ -95,28 +105,29 @@ def check_slots(slots: Mapping, specs: Mapping[str, packing.SlotSpec],
   """
   of = "" if table is None else f" of table {table!r}"
   if set(slots) != set(specs):
-    raise InputError(f"the slots{of} are {sorted(slots)}, but {owner} keeps "
-                     f"{sorted(specs)}; {fix}")
+    raise InputError(f"the slots{of} are {sorted(slots)}, but {owner} keeps {sorted(specs)}; {fix}")
   for name, spec in specs.items():
     x = slots[name]
     want = spec.shape_for(num_rows, dim, rows_per_shard)
     if tuple(x.shape) != want or np.dtype(x.dtype) != np.dtype(spec.dtype):
       raise InputError(
-          f"slot {name!r}{of} is {x.dtype}{list(x.shape)}, but {owner} keeps "
-          f"{np.dtype(spec.dtype)}{list(want)} (see pallas_emb.packing); {fix}")
+        f"slot {name!r}{of} is {x.dtype}{list(x.shape)}, but {owner} keeps "
+        f"{np.dtype(spec.dtype)}{list(want)} (see pallas_emb.packing); {fix}"
+      )
 
 
 def check_scalars(scalars) -> None:
   """`optimizer.scalars(step)`: a NamedTuple of single numbers (SMEM)."""
   if not (isinstance(scalars, tuple) and hasattr(type(scalars), "_fields")):
     raise InputError(
-        f"scalars must be the NamedTuple of optimizer.scalars(step), got "
-        f"{type(scalars).__name__}.")
+      f"scalars must be the NamedTuple of optimizer.scalars(step), got {type(scalars).__name__}."
+    )
   for name, v in zip(scalars._fields, scalars):
     if np.size(v) != 1:
       raise InputError(
-          f"scalar {name!r} must be a single number (it is prefetched into "
-          f"SMEM), got shape {np.shape(v)}.")
+        f"scalar {name!r} must be a single number (it is prefetched into "
+        f"SMEM), got shape {np.shape(v)}."
+      )
 
 
 def check_gather(table, rows, dtype) -> int:
@@ -126,18 +137,31 @@ def check_gather(table, rows, dtype) -> int:
   return dim
 
 
-def check_update(table, slots, rows, grads, scalars, *, optimizer: RowUpdate,
-                 dtype) -> int:
+def check_grads(grads, num: int, dim: int, *, name: str = "grads", per: str = "row id") -> None:
+  """Validates float32[num, dim] gradients, one per `per`."""
+  if tuple(grads.shape) != (num, dim) or np.dtype(grads.dtype) != np.float32:
+    raise InputError(
+      f"{name} must be float32[{num}, {dim}] (one summed gradient per "
+      f"{per}, dim {dim}), got {grads.dtype}{list(grads.shape)}."
+    )
+
+
+def check_optimizer_state(table, slots, scalars, optimizer: RowUpdate, dim: int) -> None:
+  """Validates an update's slots and step scalars against `optimizer`."""
+  check_slots(
+    slots,
+    optimizer.slot_specs(),
+    table.shape[0],
+    dim,
+    owner=type(optimizer).__name__,
+    fix="pass the TableState's slots.",
+  )
+  check_scalars(scalars)
+
+
+def check_update(table, slots, rows, grads, scalars, *, optimizer: RowUpdate, dtype) -> int:
   """The validator of `fused_update` on every backend; returns the row dim."""
   dim = check_stored_table(table, dtype)
-  num_ids = check_rows(rows)
-  if (tuple(grads.shape) != (num_ids, dim)
-      or np.dtype(grads.dtype) != np.float32):
-    raise InputError(
-        f"grads must be float32[{num_ids}, {dim}] (one summed gradient per "
-        f"row id, dim {dim}), got {grads.dtype}{list(grads.shape)}.")
-  check_slots(slots, optimizer.slot_specs(), table.shape[0], dim,
-              owner=type(optimizer).__name__,
-              fix="pass the TableState's slots.")
-  check_scalars(scalars)
+  check_grads(grads, check_rows(rows), dim)
+  check_optimizer_state(table, slots, scalars, optimizer, dim)
   return dim

@@ -6,7 +6,7 @@ Nothing here touches arrays; it runs while tracing, on static shapes.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Union
+from collections.abc import Callable
 
 from jax.experimental.pallas import tpu as pltpu
 
@@ -30,10 +30,9 @@ _MIN_VMEM_LIMIT = 16 * 1024 * 1024
 
 # Device kinds (jax.Device.device_kind) whose spelling differs from the
 # ChipVersion value.
-_KIND_ALIASES = {"v4 lite": "v4i", "v5 lite": "v5e", "v5": "v5p",
-                 "v6 lite": "v6e"}
+_KIND_ALIASES = {"v4 lite": "v4i", "v5 lite": "v5e", "v5": "v5p", "v6 lite": "v6e"}
 
-Target = Union[None, str, pltpu.ChipVersion, pltpu.TpuInfo]
+Target = None | str | pltpu.ChipVersion | pltpu.TpuInfo
 
 
 def round_up(x: int, m: int) -> int:
@@ -65,8 +64,9 @@ def _chip_version(name: str) -> pltpu.ChipVersion:
   except ValueError:
     known = sorted({v.value for v in pltpu.ChipVersion})
     raise ConfigError(
-        f"target {name!r} names no TPU chip; use a ChipVersion, one of "
-        f"{known}, or a device kind such as 'TPU v5 lite'.") from None
+      f"target {name!r} names no TPU chip; use a ChipVersion, one of "
+      f"{known}, or a device kind such as 'TPU v5 lite'."
+    ) from None
 
 
 def resolve_chip(target: Target = None) -> Chip:
@@ -90,8 +90,7 @@ def resolve_chip(target: Target = None) -> Chip:
     if not isinstance(target, pltpu.ChipVersion):
       target = _chip_version(str(target))
     info = pltpu.get_tpu_info_for_chip(target, 1)
-  return Chip(str(info.chip_version), info.vmem_capacity_bytes,
-              info.smem_capacity_bytes)
+  return Chip(str(info.chip_version), info.vmem_capacity_bytes, info.smem_capacity_bytes)
 
 
 def vmem_limit_bytes(footprint: int, chip: Chip) -> int:
@@ -100,8 +99,7 @@ def vmem_limit_bytes(footprint: int, chip: Chip) -> int:
   return min(chip.vmem_bytes, max(_MIN_VMEM_LIMIT, footprint + footprint // 2))
 
 
-def check_vmem(kernel: str, footprint_of: Callable[[int], int], chunk_rows: int,
-               chip: Chip) -> int:
+def check_vmem(kernel: str, footprint_of: Callable[[int], int], chunk_rows: int, chip: Chip) -> int:
   """Raises VmemBudgetError unless `footprint_of(chunk_rows)` fits the chip.
 
   Returns the footprint in bytes.
@@ -112,12 +110,16 @@ def check_vmem(kernel: str, footprint_of: Callable[[int], int], chunk_rows: int,
   fits = chunk_rows - SUBLANES
   while fits >= SUBLANES and footprint_of(fits) > chip.vmem_bytes:
     fits -= SUBLANES
-  hint = (f"use chunk_rows={fits} (or less)" if fits >= SUBLANES else
-          f"even chunk_rows={SUBLANES} needs {footprint_of(SUBLANES)} bytes; "
-          "split the table's rows into narrower tables")
+  hint = (
+    f"use chunk_rows={fits} (or less)"
+    if fits >= SUBLANES
+    else f"even chunk_rows={SUBLANES} needs {footprint_of(SUBLANES)} bytes; "
+    "split the table's rows into narrower tables"
+  )
   raise VmemBudgetError(
-      f"{kernel}: chunk_rows={chunk_rows} needs {footprint} bytes of VMEM, but "
-      f"TPU {chip.name} has {chip.vmem_bytes} bytes per core; {hint}.")
+    f"{kernel}: chunk_rows={chunk_rows} needs {footprint} bytes of VMEM, but "
+    f"TPU {chip.name} has {chip.vmem_bytes} bytes per core; {hint}."
+  )
 
 
 # Ids are scalar-prefetched into SMEM a window at a time; a window may fill

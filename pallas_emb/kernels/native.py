@@ -40,15 +40,15 @@ Exactness against the XLA path, the oracle (tests/test_native.py):
 
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_emb.errors import InputError
-from pallas_emb.kernels import checks
-from pallas_emb.kernels import native_lib
+from pallas_emb.kernels import checks, native_lib
 from pallas_emb.kernels.protocol import RowUpdate
 
 # The bound on |native - xla| for the optimizer math that the tests hold, in
@@ -60,8 +60,7 @@ ULP_TOLERANCE = 4
 _RULE_SLOTS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 1}
 
 
-def unique_keys(keys: jax.Array, capacity: int
-                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def unique_keys(keys: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The distinct keys with a static capacity (`sharding.dedup.UniqueImpl`).
 
   Args:
@@ -74,14 +73,18 @@ def unique_keys(keys: jax.Array, capacity: int
     bit for bit those of `sharding.dedup.unique_keys(..., "search")`.
   """
   n = keys.shape[0]
-  return jax.ffi.ffi_call(native_lib.UNIQUE_KEYS, (
+  return jax.ffi.ffi_call(
+    native_lib.UNIQUE_KEYS,
+    (
       jax.ShapeDtypeStruct((capacity,), jnp.int32),
       jax.ShapeDtypeStruct((n,), jnp.int32),
-      jax.ShapeDtypeStruct((), jnp.int32)))(keys)
+      jax.ShapeDtypeStruct((), jnp.int32),
+    ),
+  )(keys)
 
 
 class _Rule(NamedTuple):
-  target: str               # handler name prefix
+  target: str  # handler name prefix
   static: tuple[float, ...]  # hyperparameters after the learning rate
 
 
@@ -95,8 +98,11 @@ def _rule(optimizer: RowUpdate, dtype) -> _Rule | None:
     return None
   name, static = found
   specs = optimizer.slot_specs()
-  if (name not in _RULE_SLOTS or len(specs) != _RULE_SLOTS[name]
-      or any(np.dtype(s.dtype) != np.float32 for s in specs.values())):
+  if (
+    name not in _RULE_SLOTS
+    or len(specs) != _RULE_SLOTS[name]
+    or any(np.dtype(s.dtype) != np.float32 for s in specs.values())
+  ):
     return None
   return _Rule(native_lib.RULE_TARGETS[name], tuple(float(x) for x in static))
 
@@ -112,36 +118,41 @@ def _scalars(rule: _Rule, scalars: NamedTuple) -> jax.Array:
   return jnp.stack([lr] + [jnp.float32(x) for x in rule.static])
 
 
-def _call(rule: _Rule, kind: str, table, slots: Mapping[str, jax.Array],
-          operands, extra_results=()):
+def _call(
+  rule: _Rule, kind: str, table, slots: Mapping[str, jax.Array], operands, extra_results=()
+):
   names = list(slots)
   # Slots go in their stored shape: a per-row scalar stored lane-dense,
   # (rows / 128, 128), has the bytes of (rows, 1) in the same order, and the
   # kernels only check its element count. A reshape here would make XLA copy
   # the slot in and out on every step (it does not alias a reshaped operand).
-  results = ((jax.ShapeDtypeStruct(table.shape, table.dtype),)
-             + tuple(jax.ShapeDtypeStruct(slots[k].shape, slots[k].dtype)
-                     for k in names) + tuple(extra_results))
+  results = (
+    (jax.ShapeDtypeStruct(table.shape, table.dtype),)
+    + tuple(jax.ShapeDtypeStruct(slots[k].shape, slots[k].dtype) for k in names)
+    + tuple(extra_results)
+  )
   aliases = {i: i for i in range(1 + len(names))}
-  out = jax.ffi.ffi_call(rule.target + kind, results,
-                         input_output_aliases=aliases)(
-                             table, *(slots[k] for k in names), *operands)
-  return out[0], dict(zip(names, out[1:1 + len(names)])), out[1 + len(names):]
+  out = jax.ffi.ffi_call(rule.target + kind, results, input_output_aliases=aliases)(
+    table, *(slots[k] for k in names), *operands
+  )
+  return out[0], dict(zip(names, out[1 : 1 + len(names)])), out[1 + len(names) :]
 
 
 def _require(optimizer: RowUpdate, dtype) -> _Rule:
   rule = _rule(optimizer, dtype)
   if rule is None:
     raise InputError(
-        f"the native update cannot run {type(optimizer).__name__} on a "
-        f"{np.dtype(dtype)} table (needs float32 and a native_rule(), and the "
-        f"native library: {native_lib.status().reason or 'loaded'}); check "
-        "native.supports() first and use the XLA path otherwise.")
+      f"the native update cannot run {type(optimizer).__name__} on a "
+      f"{np.dtype(dtype)} table (needs float32 and a native_rule(), and the "
+      f"native library: {native_lib.status().reason or 'loaded'}); check "
+      "native.supports() first and use the XLA path otherwise."
+    )
   return rule
 
 
-def fused_update(table, slots, rows, grads, scalars, apply, *, optimizer,
-                 dtype) -> tuple[jax.Array, dict[str, jax.Array]]:
+def fused_update(
+  table, slots, rows, grads, scalars, apply, *, optimizer, dtype
+) -> tuple[jax.Array, dict[str, jax.Array]]:
   """`xla.fused_update` in C++: the listed rows updated in place.
 
   Args:
@@ -157,16 +168,21 @@ def fused_update(table, slots, rows, grads, scalars, apply, *, optimizer,
   Returns:
     (table, slots) with only the listed rows changed.
   """
-  checks.check_update(table, slots, rows, grads, scalars, optimizer=optimizer,
-                      dtype=dtype)
+  checks.check_update(table, slots, rows, grads, scalars, optimizer=optimizer, dtype=dtype)
   rule = _require(optimizer, dtype)
-  table, slots, _ = _call(rule, "RowUpdate", table, slots, (
-      rows, grads, _scalars(rule, scalars), jnp.asarray(apply, jnp.bool_)))
+  table, slots, _ = _call(
+    rule,
+    "RowUpdate",
+    table,
+    slots,
+    (rows, grads, _scalars(rule, scalars), jnp.asarray(apply, jnp.bool_)),
+  )
   return table, slots
 
 
-def segment_sum_update(table, slots, rows, inverse, token_grads, scalars, gate,
-                       *, optimizer, dtype):
+def segment_sum_update(
+  table, slots, rows, inverse, token_grads, scalars, gate, *, optimizer, dtype
+):
   """One device's sum, norm, gate and update in one pass, in place.
 
   Args:
@@ -187,21 +203,21 @@ def segment_sum_update(table, slots, rows, inverse, token_grads, scalars, gate,
   """
   dim = checks.check_stored_table(table, dtype)
   checks.check_rows(rows)
-  num_tokens = checks.check_rows(inverse, "inverse")
-  if (tuple(token_grads.shape) != (num_tokens, dim)
-      or np.dtype(token_grads.dtype) != np.float32):
-    raise InputError(
-        f"token_grads must be float32[{num_tokens}, {dim}] (one gradient per "
-        f"token of inverse, dim {dim}), got "
-        f"{token_grads.dtype}{list(token_grads.shape)}.")
-  checks.check_slots(slots, optimizer.slot_specs(), table.shape[0], dim,
-                     owner=type(optimizer).__name__,
-                     fix="pass the TableState's slots.")
-  checks.check_scalars(scalars)
+  checks.check_grads(
+    token_grads,
+    checks.check_rows(inverse, "inverse"),
+    dim,
+    name="token_grads",
+    per="token of inverse",
+  )
+  checks.check_optimizer_state(table, slots, scalars, optimizer, dim)
   rule = _require(optimizer, dtype)
   table, slots, (norm,) = _call(
-      rule, "SegsumUpdate", table, slots,
-      (rows, inverse, token_grads, _scalars(rule, scalars),
-       jnp.asarray(gate, jnp.bool_)),
-      extra_results=(jax.ShapeDtypeStruct((), jnp.float32),))
+    rule,
+    "SegsumUpdate",
+    table,
+    slots,
+    (rows, inverse, token_grads, _scalars(rule, scalars), jnp.asarray(gate, jnp.bool_)),
+    extra_results=(jax.ShapeDtypeStruct((), jnp.float32),),
+  )
   return table, slots, norm

@@ -31,7 +31,8 @@ import functools
 import importlib.metadata
 import os
 import pathlib
-from typing import Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,15 +44,20 @@ DISTRIBUTION = "pallas-emb"
 
 # The handlers of csrc/: unique_keys.cc and sparse_update.cc.
 UNIQUE_KEYS = "PeUniqueKeys"
-RULE_TARGETS = {"sgd": "PeSgd", "adagrad": "PeAdagrad",
-                "rowwise_adagrad": "PeRowwiseAdagrad"}
+RULE_TARGETS = {"sgd": "PeSgd", "adagrad": "PeAdagrad", "rowwise_adagrad": "PeRowwiseAdagrad"}
 TARGETS = (UNIQUE_KEYS,) + tuple(
-    prefix + kind for prefix in RULE_TARGETS.values()
-    for kind in ("SegsumUpdate", "RowUpdate"))
+  prefix + kind for prefix in RULE_TARGETS.values() for kind in ("SegsumUpdate", "RowUpdate")
+)
 
 # csrc/profile.h's Phase enum, in order.
-PHASES = ("unique_sort", "unique_outputs", "group_by_row", "segment_sum",
-          "row_update", "norm_and_gate")
+PHASES = (
+  "unique_sort",
+  "unique_outputs",
+  "group_by_row",
+  "segment_sum",
+  "row_update",
+  "norm_and_gate",
+)
 
 _HERE = pathlib.Path(__file__).resolve().parent
 _SOURCE_ROOT = _HERE.parent.parent
@@ -97,15 +103,19 @@ def _library() -> tuple[ctypes.CDLL | None, Status]:
   """Loads and registers the library once per process."""
   path = _find()
   if path is None:
-    return None, Status(False, None, (
+    return None, Status(
+      False,
+      None,
+      (
         f"{LIBRARY} was not built: `pip install .` compiles it when a C++17 "
         "compiler and cmake are present (looked in "
-        f"{', '.join(str(p) for p in candidates())})"))
+        f"{', '.join(str(p) for p in candidates())})"
+      ),
+    )
   try:
     lib = ctypes.CDLL(str(path))
     for name in TARGETS:
-      jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)),
-                                  platform="cpu")
+      jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
     lib.PeSetProfiling.argtypes = [ctypes.c_int]
     lib.PeLastProfile.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
     lib.PeLastProfile.restype = ctypes.c_int
@@ -115,12 +125,16 @@ def _library() -> tuple[ctypes.CDLL | None, Status]:
 
 
 def _self_test() -> str:
-  """"" if one small call through XLA gives the expected result, else why."""
+  """ "" if one small call through XLA gives the expected result, else why."""
   keys = np.array([7, 3, 7, np.iinfo(np.int32).max, -2], np.int32)
-  call = jax.ffi.ffi_call(UNIQUE_KEYS, (
+  call = jax.ffi.ffi_call(
+    UNIQUE_KEYS,
+    (
       jax.ShapeDtypeStruct((4,), jnp.int32),
       jax.ShapeDtypeStruct((5,), jnp.int32),
-      jax.ShapeDtypeStruct((), jnp.int32)))
+      jax.ShapeDtypeStruct((), jnp.int32),
+    ),
+  )
   try:
     # Eagerly, even when the backend is first resolved inside a trace, and on
     # a device of this process: with several processes, jax.devices()[0] may

@@ -6,7 +6,8 @@ The kernels take any object with these two methods (every
 
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple, Protocol
+from collections.abc import Mapping
+from typing import NamedTuple, Protocol
 
 import jax
 
@@ -19,7 +20,7 @@ class RowUpdate(Protocol):
   def slot_specs(self) -> Mapping[str, SlotSpec]:
     """Slot name -> `SlotSpec` of the per-row state kept beside the table."""
 
-  def update_rows(self, rows: jax.Array, slots: Mapping[str, jax.Array],
-                  grads: jax.Array, scalars: NamedTuple
-                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  def update_rows(
+    self, rows: jax.Array, slots: Mapping[str, jax.Array], grads: jax.Array, scalars: NamedTuple
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(C, dim) float32 rows, slots (C, width) and grads -> new rows, slots."""

@@ -14,12 +14,14 @@ leave the table, and a skipped row's (stale) buffer row is never written back
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from pallas_emb.kernels import scalar_slots
 
 
 class ChunkCopies:
@@ -39,9 +41,19 @@ class ChunkCopies:
       see `scalar_slots`) instead of row `id`.
   """
 
-  def __init__(self, ids, offset, hbm: Sequence, vmem: Sequence,
-               sems: Sequence, *, num_rows: int, to_hbm: bool = False,
-               zero_skipped: bool = False, shift: int = 0):
+  def __init__(
+    self,
+    ids,
+    offset,
+    hbm: Sequence,
+    vmem: Sequence,
+    sems: Sequence,
+    *,
+    num_rows: int,
+    to_hbm: bool = False,
+    zero_skipped: bool = False,
+    shift: int = 0,
+  ):
     self._ids, self._offset = ids, offset
     self._arrays = tuple(zip(hbm, vmem, sems))
     self._num_rows, self._to_hbm = num_rows, to_hbm
@@ -72,6 +84,7 @@ class ChunkCopies:
           action(pltpu.make_async_copy(src, dst, sem))
 
       if zero:
+
         @pl.when(jnp.logical_not(valid))
         def _():
           for _, vmem, _ in self._arrays:
@@ -80,3 +93,94 @@ class ChunkCopies:
       return carry
 
     lax.fori_loop(0, chunk, body, 0)
+
+
+class _Copies:
+  """Several `ChunkCopies` (or `scalar_slots.GroupWrites`) started or
+  waited together."""
+
+  def __init__(self, parts: Sequence):
+    self._parts = tuple(parts)
+
+  def start(self) -> None:
+    for p in self._parts:
+      p.start()
+
+  def wait(self) -> None:
+    for p in self._parts:
+      p.wait()
+
+
+class ChunkTransfers:
+  """The reads and write-backs of one chunk of every array of an update,
+  written once: rows of the table and row-shaped slots, and the 128-row
+  groups of the scalar slots (`scalar_slots`), each array with its own
+  semaphore of the buffer's pair.
+
+  Args:
+    ids: the SMEM ref of the call's local row ids (ascending, -1 last).
+    hbm: the HBM refs, table first, the `num_grouped` scalar slots last.
+    bufs: their (2, C, width) VMEM double buffers.
+    read_sems, write_sems: (2, arrays) DMA semaphores.
+    num_grouped: how many of the arrays (the last) are scalar slots.
+    num_rows: the shard's rows; other ids are padding.
+  """
+
+  def __init__(
+    self,
+    ids,
+    hbm: Sequence,
+    bufs: Sequence,
+    read_sems,
+    write_sems,
+    *,
+    num_grouped: int,
+    num_rows: int,
+  ):
+    self._ids, self._hbm, self._bufs = ids, tuple(hbm), tuple(bufs)
+    self._read_sems, self._write_sems = read_sems, write_sems
+    self._split = len(self._hbm) - num_grouped
+    self._num_rows = num_rows
+
+  def _args(self, step, buf, sems, rows: bool):
+    part = slice(None, self._split) if rows else slice(self._split, None)
+    chunk = self._bufs[0].shape[1]
+    arrays = range(len(self._hbm))[part]
+    return (
+      self._ids,
+      step * chunk,
+      self._hbm[part],
+      [self._bufs[k].at[buf] for k in arrays],
+      [sems.at[buf, k] for k in arrays],
+    )
+
+  def reads(self, step, buf) -> _Copies:
+    """Chunk `step`'s reads into buffer `buf`."""
+    parts = [ChunkCopies(*self._args(step, buf, self._read_sems, True), num_rows=self._num_rows)]
+    if self._split < len(self._hbm):
+      parts.append(
+        ChunkCopies(
+          *self._args(step, buf, self._read_sems, False),
+          num_rows=self._num_rows,
+          shift=scalar_slots.GROUP_SHIFT,
+        )
+      )
+    return _Copies(parts)
+
+  def writes(self, step, buf) -> _Copies:
+    """Chunk `step`'s write-backs from buffer `buf` (a scalar slot's group
+    once, by its run's last id)."""
+    parts = [
+      ChunkCopies(
+        *self._args(step, buf, self._write_sems, True), num_rows=self._num_rows, to_hbm=True
+      )
+    ]
+    if self._split < len(self._hbm):
+      parts.append(
+        scalar_slots.GroupWrites(
+          *self._args(step, buf, self._write_sems, False),
+          num_rows=self._num_rows,
+          num_ids_in_call=self._ids.shape[0],
+        )
+      )
+    return _Copies(parts)

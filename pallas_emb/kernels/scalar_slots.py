@@ -23,7 +23,7 @@ writes done, and the next call reads afresh.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -43,8 +43,7 @@ def _bits(x):
   return lax.bitcast_convert_type(x, jnp.int32)
 
 
-def extract(ids, offset: int | jax.Array, bufs: Sequence, cols: Sequence,
-            *, num_rows: int) -> None:
+def extract(ids, offset: int | jax.Array, bufs: Sequence, cols: Sequence, *, num_rows: int) -> None:
   """cols[k][j] = the value of id j in its group row bufs[k][j].
 
   Args:
@@ -64,7 +63,8 @@ def extract(ids, offset: int | jax.Array, bufs: Sequence, cols: Sequence,
         # Sum the bits as int32: exact for every value (-0.0, NaN payloads).
         picked = jnp.where(mask, _bits(buf[pl.ds(j, 1), :]), 0)
         col[pl.ds(j, 1), :] = lax.bitcast_convert_type(
-            jnp.sum(picked, axis=1, keepdims=True), col.dtype)
+          jnp.sum(picked, axis=1, keepdims=True), col.dtype
+        )
 
     return carry
 
@@ -76,13 +76,24 @@ def _is_end(ids, pos, num_ids_in_call, *, num_rows):
   row = ids[pos]
   nxt = ids[jnp.minimum(pos + 1, num_ids_in_call - 1)]
   last = pos + 1 >= num_ids_in_call
-  return (row >= 0) & (row < num_rows) & (
-      last | (nxt < 0) | (nxt >= num_rows)
-      | ((nxt >> GROUP_SHIFT) != (row >> GROUP_SHIFT)))
+  return (
+    (row >= 0)
+    & (row < num_rows)
+    & (last | (nxt < 0) | (nxt >= num_rows) | ((nxt >> GROUP_SHIFT) != (row >> GROUP_SHIFT)))
+  )
 
 
-def merge(ids, offset, bufs: Sequence, new_cols: Sequence, carry_bufs: Sequence,
-          carry_group, *, num_rows: int, num_ids_in_call) -> None:
+def merge(
+  ids,
+  offset,
+  bufs: Sequence,
+  new_cols: Sequence,
+  carry_bufs: Sequence,
+  carry_group,
+  *,
+  num_rows: int,
+  num_ids_in_call,
+) -> None:
   """Folds each run's new values into the run's last group row.
 
   Args:
@@ -110,20 +121,21 @@ def merge(ids, offset, bufs: Sequence, new_cols: Sequence, carry_bufs: Sequence,
         if_carried = jnp.logical_and(j == 0, carry_group[0] == group)
         continues = jnp.logical_and(j > 0, prev_group == group)
         base = jnp.where(
-            continues, _bits(buf[pl.ds(jnp.maximum(j - 1, 0), 1), :]),
-            jnp.where(if_carried, _bits(carry[...]),
-                      _bits(buf[pl.ds(j, 1), :])))
+          continues,
+          _bits(buf[pl.ds(jnp.maximum(j - 1, 0), 1), :]),
+          jnp.where(if_carried, _bits(carry[...]), _bits(buf[pl.ds(j, 1), :])),
+        )
         value = jnp.broadcast_to(_bits(col[pl.ds(j, 1), :]), (1, GROUP))
-        buf[pl.ds(j, 1), :] = lax.bitcast_convert_type(
-            jnp.where(mask, value, base), buf.dtype)
+        buf[pl.ds(j, 1), :] = lax.bitcast_convert_type(jnp.where(mask, value, base), buf.dtype)
 
     return jnp.where((row >= 0) & (row < num_rows), group, -1)
 
   last_group = lax.fori_loop(0, chunk, body, jnp.int32(-1))
   # The chunk's last run goes on into the next chunk: carry it there.
   last = offset + chunk - 1
-  carries = jnp.logical_and(last_group >= 0, jnp.logical_not(
-      _is_end(ids, last, num_ids_in_call, num_rows=num_rows)))
+  carries = jnp.logical_and(
+    last_group >= 0, jnp.logical_not(_is_end(ids, last, num_ids_in_call, num_rows=num_rows))
+  )
 
   @pl.when(carries)
   def _():
@@ -140,8 +152,17 @@ class GroupWrites:
   DMA that was started.
   """
 
-  def __init__(self, ids, offset, hbm: Sequence, vmem: Sequence,
-               sems: Sequence, *, num_rows: int, num_ids_in_call):
+  def __init__(
+    self,
+    ids,
+    offset,
+    hbm: Sequence,
+    vmem: Sequence,
+    sems: Sequence,
+    *,
+    num_rows: int,
+    num_ids_in_call,
+  ):
     self._ids, self._offset = ids, offset
     self._arrays = tuple(zip(hbm, vmem, sems))
     self._num_rows, self._num_ids = num_rows, num_ids_in_call
@@ -162,8 +183,7 @@ class GroupWrites:
       def _():
         group = self._ids[pos] >> GROUP_SHIFT
         for hbm, vmem, sem in self._arrays:
-          action(pltpu.make_async_copy(vmem.at[pl.ds(j, 1)],
-                                       hbm.at[pl.ds(group, 1)], sem))
+          action(pltpu.make_async_copy(vmem.at[pl.ds(j, 1)], hbm.at[pl.ds(group, 1)], sem))
 
       return carry
 

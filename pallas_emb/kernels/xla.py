@@ -7,7 +7,8 @@ own checks, and call the optimizer's `update_rows`, like the kernels do.
 
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,15 +41,15 @@ def gather(table: jax.Array, rows: jax.Array, *, dtype) -> jax.Array:
 
 
 def fused_update(
-    table: jax.Array,
-    slots: Mapping[str, jax.Array],
-    rows: jax.Array,
-    grads: jax.Array,
-    scalars: NamedTuple,
-    apply: jax.Array,
-    *,
-    optimizer: RowUpdate,
-    dtype,
+  table: jax.Array,
+  slots: Mapping[str, jax.Array],
+  rows: jax.Array,
+  grads: jax.Array,
+  scalars: NamedTuple,
+  apply: jax.Array,
+  *,
+  optimizer: RowUpdate,
+  dtype,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Applies `optimizer` to the listed rows, in place when donated.
 
@@ -65,8 +66,7 @@ def fused_update(
   Returns:
     (table, slots) with only the listed rows changed.
   """
-  checks.check_update(table, slots, rows, grads, scalars, optimizer=optimizer,
-                      dtype=dtype)
+  checks.check_update(table, slots, rows, grads, scalars, optimizer=optimizer, dtype=dtype)
   idx = _out_of_bounds(rows, table.shape[0], apply)
   take = lambda x: jnp.take(x, idx, axis=0, mode="fill", fill_value=0)
   put = lambda x, v: x.at[idx].set(v.astype(x.dtype), mode="drop")
@@ -74,8 +74,10 @@ def fused_update(
   specs, dim = optimizer.slot_specs(), grads.shape[1]
   rows_of = {k: specs[k].as_rows(jnp.asarray(v), dim) for k, v in slots.items()}
   new_rows, new_slots = optimizer.update_rows(
-      packing.unpack_rows(take(table), dtype),
-      {k: take(v) for k, v in rows_of.items()}, grads, scalars)
+    packing.unpack_rows(take(table), dtype),
+    {k: take(v) for k, v in rows_of.items()},
+    grads,
+    scalars,
+  )
   table = put(table, packing.pack_rows(new_rows, dtype))
-  return table, {k: put(v, new_slots[k]).reshape(slots[k].shape)
-                 for k, v in rows_of.items()}
+  return table, {k: put(v, new_slots[k]).reshape(slots[k].shape) for k, v in rows_of.items()}

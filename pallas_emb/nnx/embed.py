@@ -16,10 +16,10 @@ the same order, so both train bit for bit alike.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
-from flax import nnx
 import jax
+from flax import nnx
 
 from pallas_emb import async_emb
 from pallas_emb.embedding import ShardedEmbedding
@@ -56,8 +56,11 @@ def _on_mesh(tree, emb: ShardedEmbedding):
   its template, and the step needs them all on the mesh."""
   devices = set(emb.mesh.devices.flat)
   return jax.tree.map(
-      lambda x: x if x.sharding.device_set == devices
-      else jax.device_put(x, emb.sharding(rows=False)), tree)
+    lambda x: (
+      x if x.sharding.device_set == devices else jax.device_put(x, emb.sharding(rows=False))
+    ),
+    tree,
+  )
 
 
 class Embed(nnx.Module):
@@ -80,15 +83,19 @@ class Embed(nnx.Module):
     InputError: an async config without `first_ids`.
   """
 
-  def __init__(self, emb: ShardedEmbedding, *, key: jax.Array | None = None,
-               config: TrainConfig = TrainConfig(),
-               first_ids: Mapping[str, jax.Array] | None = None,
-               tables: Mapping[str, TableState] | None = None):
+  def __init__(
+    self,
+    emb: ShardedEmbedding,
+    *,
+    key: jax.Array | None = None,
+    config: TrainConfig = TrainConfig(),
+    first_ids: Mapping[str, jax.Array] | None = None,
+    tables: Mapping[str, TableState] | None = None,
+  ):
     validate_config(config, emb)
     if tables is None:
       if key is None:
-        raise InputError("Embed needs key (to initialise the tables) or "
-                         "tables (to start from).")
+        raise InputError("Embed needs key (to initialise the tables) or tables (to start from).")
       tables = emb.init(key)
     self.emb, self.config = emb, config
     self.table = EmbTable({n: t.table for n, t in tables.items()})
@@ -98,16 +105,21 @@ class Embed(nnx.Module):
     if config.use_async_emb:
       if first_ids is None:
         raise InputError(
-            "Embed with use_async_emb=True needs first_ids, the ids of the "
-            "first training batch: its lookup starts here and the contexts "
-            "are made for its shapes.")
+          "Embed with use_async_emb=True needs first_ids, the ids of the "
+          "first training batch: its lookup starts here and the contexts "
+          "are made for its shapes."
+        )
       first_ids = int32_ids(first_ids)
       self.contexts = tuple(async_emb.context_handles(emb, first_ids).items())
-      self.pending = EmbPending({n: _on_mesh(async_emb.empty_gradient_update(c), emb)
-                                 for n, c in self.contexts})
-      self.next_lookup = EmbNextLookup({
+      self.pending = EmbPending(
+        {n: _on_mesh(async_emb.empty_gradient_update(c), emb) for n, c in self.contexts}
+      )
+      self.next_lookup = EmbNextLookup(
+        {
           n: async_emb.lookup_start(c, tables[n].table, c.table_inputs(first_ids))
-          for n, c in self.contexts})
+          for n, c in self.contexts
+        }
+      )
 
   @property
   def tables(self) -> dict[str, TableState]:
@@ -158,8 +170,7 @@ class Embed(nnx.Module):
     dense step) -> table name -> the update's metrics."""
     tables, started, pending = self.tables, {}, self.pending.get_value()
     for name, ctx in self.contexts:
-      tables[name], started[name] = emb_update.start_update(
-          ctx, pending[name], tables[name])
+      tables[name], started[name] = emb_update.start_update(ctx, pending[name], tables[name])
     self._set_tables(tables)
     return started
 
@@ -170,10 +181,10 @@ class Embed(nnx.Module):
     old, lookups = self.pending.get_value(), self.next_lookup.get_value()
     pending, next_lookup = {}, {}
     for name, ctx in self.contexts:
-      pending[name] = async_emb.make_gradient_update(
-          ctx, lookups[name], ctx.table_inputs(grads))
+      pending[name] = async_emb.make_gradient_update(ctx, lookups[name], ctx.table_inputs(grads))
       metrics[name], next_lookup[name] = emb_update.collect_update(
-          ctx, tables, old[name], started[name], next_ids, gate)
+        ctx, tables, old[name], started[name], next_ids, gate
+      )
     self.pending.set_value(pending)
     self.next_lookup.set_value(next_lookup)
     return metrics
@@ -184,11 +195,11 @@ class Embed(nnx.Module):
     tables, metrics, next_lookup = self.tables, {}, {}
     lookups = self.next_lookup.get_value()
     for name, ctx in self.contexts:
-      update = async_emb.make_gradient_update(
-          ctx, lookups[name], ctx.table_inputs(grads))
+      update = async_emb.make_gradient_update(ctx, lookups[name], ctx.table_inputs(grads))
       tables[name], started = emb_update.start_update(ctx, update, tables[name], gate)
       metrics[name], next_lookup[name] = emb_update.collect_update(
-          ctx, tables, update, started, next_ids, gate)
+        ctx, tables, update, started, next_ids, gate
+      )
     self._set_tables(tables)
     self.next_lookup.set_value(next_lookup)
     return metrics
@@ -199,8 +210,7 @@ class Embed(nnx.Module):
     tables, metrics = self.tables, {}
     pending = dict(self.pending.get_value()) if self.contexts else {}
     for name, ctx in self.contexts:
-      tables[name], metrics[name] = emb_update.flush_update(
-          ctx, tables[name], pending[name])
+      tables[name], metrics[name] = emb_update.flush_update(ctx, tables[name], pending[name])
       pending[name] = async_emb.empty_gradient_update(ctx)
     self._set_tables(tables)
     if self.contexts:

@@ -12,8 +12,8 @@ pipeline (see `pallas_emb.train.step`).
 
 from __future__ import annotations
 
-from flax import nnx
 import jax
+from flax import nnx
 
 from pallas_emb.nnx.embed import Embed
 from pallas_emb.train import emb_update
@@ -22,12 +22,12 @@ from pallas_emb.train import emb_update
 def _dense_grads(dense: nnx.Module, acts, batch):
   def loss_fn(dense, acts):
     return dense(acts, batch)
+
   return nnx.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(dense, acts)
 
 
 @nnx.jit
-def _step(embed: Embed, dense: nnx.Module, optimizer: nnx.Optimizer, batch,
-          next_batch):
+def _step(embed: Embed, dense: nnx.Module, optimizer: nnx.Optimizer, batch, next_batch):
   if not embed.config.use_async_emb:
     acts, res = embed.sync_lookup(batch["ids"])
     (loss, aux), (g_dense, g_acts) = _dense_grads(dense, acts, batch)
@@ -48,8 +48,9 @@ def _step(embed: Embed, dense: nnx.Module, optimizer: nnx.Optimizer, batch,
   return {"loss": loss, "aux": aux, "emb": emb_metrics}
 
 
-def train_step(embed: Embed, dense: nnx.Module, optimizer: nnx.Optimizer,
-               batch, next_batch=None) -> dict:
+def train_step(
+  embed: Embed, dense: nnx.Module, optimizer: nnx.Optimizer, batch, next_batch=None
+) -> dict:
   """One training step on `batch`; updates the three modules in place.
 
   Args:
@@ -65,8 +66,7 @@ def train_step(embed: Embed, dense: nnx.Module, optimizer: nnx.Optimizer,
   Returns:
     {"loss", "aux", "emb": table -> metrics}, as `Trainer.step`.
   """
-  batch, next_batch = emb_update.step_batches(embed.emb.mesh, embed.contexts,
-                                              batch, next_batch)
+  batch, next_batch = emb_update.step_batches(embed.emb.mesh, embed.contexts, batch, next_batch)
   return _step(embed, dense, optimizer, batch, next_batch)
 
 
@@ -94,5 +94,4 @@ def replicate(module: nnx.Module, embed: Embed) -> None:
   """Puts a module's state (dense parameters, optimizer state) replicated
   on `embed`'s mesh, as `Trainer.init` puts its dense state: the step's
   inputs then live on the mesh its tables live on."""
-  nnx.update(module, jax.device_put(nnx.state(module),
-                                    embed.emb.sharding(rows=False)))
+  nnx.update(module, jax.device_put(nnx.state(module), embed.emb.sharding(rows=False)))

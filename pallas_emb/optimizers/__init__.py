@@ -9,5 +9,15 @@ from pallas_emb.optimizers.optax_rows import OptaxRows
 from pallas_emb.optimizers.rowwise_adagrad import RowWiseAdagrad
 from pallas_emb.optimizers.sgd import SGD
 
-__all__ = ["Adagrad", "AsyncEmbAdam", "EmbeddingOptimizer", "FTRL", "FusedAsyncEmbUpdate",
-           "LazyAdam", "OptaxRows", "RowWiseAdagrad", "SGD", "SlotSpec"]
+__all__ = [
+  "Adagrad",
+  "AsyncEmbAdam",
+  "EmbeddingOptimizer",
+  "FTRL",
+  "FusedAsyncEmbUpdate",
+  "LazyAdam",
+  "OptaxRows",
+  "RowWiseAdagrad",
+  "SGD",
+  "SlotSpec",
+]

@@ -8,9 +8,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_emb.optimizers.base import (
-    EmbeddingOptimizer, LearningRate, SlotSpec, check_learning_rate,
-    check_range, learning_rate_at)
+from pallas_emb.optimizers import base
 from pallas_emb.optimizers.fused_async import FusedAsyncEmbUpdate
 
 
@@ -19,7 +17,7 @@ class AdagradScalars(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class Adagrad(EmbeddingOptimizer, FusedAsyncEmbUpdate):
+class Adagrad(base.EmbeddingOptimizer, FusedAsyncEmbUpdate):
   """Adagrad with one accumulator per element (slot `acc`, (rows, dim)).
 
   `acc += g**2; row -= lr * g * rsqrt(acc + eps)` (0 where acc == 0), the
@@ -32,21 +30,22 @@ class Adagrad(EmbeddingOptimizer, FusedAsyncEmbUpdate):
     eps: > 0 (optax's default 1e-7).
   """
 
-  learning_rate: LearningRate = 0.1
+  learning_rate: base.LearningRate = 0.1
   initial_accumulator_value: float = 0.1
   eps: float = 1e-7
 
   def __post_init__(self):
-    check_learning_rate("Adagrad", self.learning_rate)
-    check_range("Adagrad", "initial_accumulator_value",
-                self.initial_accumulator_value, 0.0, float("inf"))
-    check_range("Adagrad", "eps", self.eps, 0.0, float("inf"), lo_open=True)
+    base.check_learning_rate("Adagrad", self.learning_rate)
+    base.check_range(
+      "Adagrad", "initial_accumulator_value", self.initial_accumulator_value, 0.0, float("inf")
+    )
+    base.check_range("Adagrad", "eps", self.eps, 0.0, float("inf"), lo_open=True)
 
   def slot_specs(self):
-    return {"acc": SlotSpec(width=None, init=self.initial_accumulator_value)}
+    return {"acc": base.SlotSpec(width=None, init=self.initial_accumulator_value)}
 
   def scalars(self, step) -> AdagradScalars:
-    return AdagradScalars(learning_rate_at(self.learning_rate, step))
+    return AdagradScalars(base.learning_rate_at(self.learning_rate, step))
 
   def native_rule(self):
     """("adagrad", (eps,)): the C++ rule of the native CPU backend, or None

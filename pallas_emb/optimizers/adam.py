@@ -19,9 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_emb.optimizers.base import (
-    EmbeddingOptimizer, LearningRate, SlotSpec, check_learning_rate,
-    check_range, learning_rate_at)
+from pallas_emb.optimizers import base
 from pallas_emb.optimizers.fused_async import FusedAsyncEmbUpdate
 
 
@@ -48,7 +46,7 @@ class AdamScalars(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class LazyAdam(EmbeddingOptimizer, FusedAsyncEmbUpdate):
+class LazyAdam(base.EmbeddingOptimizer, FusedAsyncEmbUpdate):
   """Row-lazy Adam (slots `m`, `v`: (rows, dim); `count`: (rows, 1) int32).
 
   Attributes:
@@ -57,24 +55,27 @@ class LazyAdam(EmbeddingOptimizer, FusedAsyncEmbUpdate):
     eps: > 0.
   """
 
-  learning_rate: LearningRate = 1e-3
+  learning_rate: base.LearningRate = 1e-3
   b1: float = 0.9
   b2: float = 0.999
   eps: float = 1e-8
 
   def __post_init__(self):
     name = type(self).__name__
-    check_learning_rate(name, self.learning_rate)
-    check_range(name, "b1", self.b1, 0.0, 1.0, hi_open=True)
-    check_range(name, "b2", self.b2, 0.0, 1.0, hi_open=True)
-    check_range(name, "eps", self.eps, 0.0, math.inf, lo_open=True)
+    base.check_learning_rate(name, self.learning_rate)
+    base.check_range(name, "b1", self.b1, 0.0, 1.0, hi_open=True)
+    base.check_range(name, "b2", self.b2, 0.0, 1.0, hi_open=True)
+    base.check_range(name, "eps", self.eps, 0.0, math.inf, lo_open=True)
 
   def slot_specs(self):
-    return {"m": SlotSpec(width=None), "v": SlotSpec(width=None),
-            "count": SlotSpec(width=1, dtype=np.int32, init=0)}
+    return {
+      "m": base.SlotSpec(width=None),
+      "v": base.SlotSpec(width=None),
+      "count": base.SlotSpec(width=1, dtype=np.int32, init=0),
+    }
 
   def scalars(self, step) -> AdamScalars:
-    return AdamScalars(learning_rate_at(self.learning_rate, step))
+    return AdamScalars(base.learning_rate_at(self.learning_rate, step))
 
   def update_rows(self, rows, slots, grads, scalars: AdamScalars):
     count = slots["count"] + 1
@@ -83,7 +84,8 @@ class LazyAdam(EmbeddingOptimizer, FusedAsyncEmbUpdate):
     m = b1 * slots["m"] + (1 - b1) * grads
     v = b2 * slots["v"] + (1 - b2) * (grads * grads)
     update = (m / _bias_correction(self.b1, t)) / (
-        jnp.sqrt(v / _bias_correction(self.b2, t)) + np.float32(self.eps))
+      jnp.sqrt(v / _bias_correction(self.b2, t)) + np.float32(self.eps)
+    )
     return rows - scalars.learning_rate * update, {"m": m, "v": v, "count": count}
 
 

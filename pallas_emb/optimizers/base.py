@@ -27,7 +27,8 @@ reduce within a row, and must return arrays of the shapes and dtypes it got.
 from __future__ import annotations
 
 import math
-from typing import Callable, ClassVar, Mapping, NamedTuple, Protocol, Union, runtime_checkable
+from collections.abc import Callable, Mapping
+from typing import ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +38,7 @@ from pallas_emb.errors import SpecError
 from pallas_emb.packing import SlotSpec
 
 # A float, or an optax-style schedule: step (int32 scalar) -> learning rate.
-LearningRate = Union[float, Callable[[jax.Array], jax.Array]]
+LearningRate = float | Callable[[jax.Array], jax.Array]
 Slots = Mapping[str, jax.Array]
 
 
@@ -57,8 +58,9 @@ class EmbeddingOptimizer(Protocol):
   def scalars(self, step: jax.Array) -> NamedTuple:
     """The step's scalar hyperparameters, float32, computed outside kernels."""
 
-  def update_rows(self, rows: jax.Array, slots: Slots, grads: jax.Array,
-                  scalars: NamedTuple) -> tuple[jax.Array, dict[str, jax.Array]]:
+  def update_rows(
+    self, rows: jax.Array, slots: Slots, grads: jax.Array, scalars: NamedTuple
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(rows, slots) of a block of touched rows after one step; pure."""
 
 
@@ -68,15 +70,23 @@ def check_learning_rate(owner: str, lr: LearningRate) -> None:
     return
   if isinstance(lr, bool) or not isinstance(lr, (int, float, np.floating)):
     raise SpecError(
-        f"{owner}: learning_rate must be a float or an optax schedule "
-        f"(step -> lr), got {lr!r} of type {type(lr).__name__}.")
+      f"{owner}: learning_rate must be a float or an optax schedule "
+      f"(step -> lr), got {lr!r} of type {type(lr).__name__}."
+    )
   if not math.isfinite(lr) or lr < 0:
-    raise SpecError(
-        f"{owner}: learning_rate must be finite and >= 0, got {lr!r}.")
+    raise SpecError(f"{owner}: learning_rate must be finite and >= 0, got {lr!r}.")
 
 
-def check_range(owner: str, name: str, value, lo: float, hi: float, *,
-                lo_open: bool = False, hi_open: bool = False) -> None:
+def check_range(
+  owner: str,
+  name: str,
+  value,
+  lo: float,
+  hi: float,
+  *,
+  lo_open: bool = False,
+  hi_open: bool = False,
+) -> None:
   """Checks that a hyperparameter is finite and lo <(=) value <(=) hi."""
   if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)):
     raise SpecError(f"{owner}: {name} must be a float, got {value!r}.")
@@ -86,12 +96,10 @@ def check_range(owner: str, name: str, value, lo: float, hi: float, *,
   if not ok:
     lo_s = "(" if lo_open else "["
     hi_s = ")" if hi_open else "]"
-    raise SpecError(
-        f"{owner}: {name} must be in {lo_s}{lo}, {hi}{hi_s}, got {value!r}.")
+    raise SpecError(f"{owner}: {name} must be in {lo_s}{lo}, {hi}{hi_s}, got {value!r}.")
 
 
 def learning_rate_at(lr: LearningRate, step: jax.Array) -> jax.Array:
   """The learning rate at `step` as a float32 scalar."""
   value = lr(step) if callable(lr) else lr
   return jnp.asarray(value, jnp.float32)
-

@@ -41,9 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_emb.errors import SpecError
-from pallas_emb.optimizers.base import (
-    EmbeddingOptimizer, LearningRate, SlotSpec, check_learning_rate,
-    check_range, learning_rate_at)
+from pallas_emb.optimizers import base
 from pallas_emb.optimizers.fused_async import FusedAsyncEmbUpdate
 
 
@@ -52,7 +50,7 @@ class FTRLScalars(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class FTRL(EmbeddingOptimizer, FusedAsyncEmbUpdate):
+class FTRL(base.EmbeddingOptimizer, FusedAsyncEmbUpdate):
   """FTRL-Proximal (slots `accumulator` and `linear`, both (rows, dim)).
 
   Defaults are jax-tpu-embedding's `FTRLOptimizerSpec` (TF's TPU `FTRL`
@@ -75,7 +73,7 @@ class FTRL(EmbeddingOptimizer, FusedAsyncEmbUpdate):
       learning rate of 0 (e.g. a warmup schedule's first step) is defined.
   """
 
-  learning_rate: LearningRate = 0.01
+  learning_rate: base.LearningRate = 0.01
   learning_rate_power: float = -0.5
   l1: float = 0.0
   l2: float = 0.0
@@ -86,30 +84,35 @@ class FTRL(EmbeddingOptimizer, FusedAsyncEmbUpdate):
 
   def __post_init__(self):
     name = "FTRL"
-    check_learning_rate(name, self.learning_rate)
+    base.check_learning_rate(name, self.learning_rate)
     if not isinstance(self.multiply_linear_by_learning_rate, bool):
-      raise SpecError(f"{name}: multiply_linear_by_learning_rate must be a "
-                      f"bool, got {self.multiply_linear_by_learning_rate!r}.")
-    if (not callable(self.learning_rate) and self.learning_rate == 0
-        and not self.multiply_linear_by_learning_rate):
       raise SpecError(
-          f"{name}: learning_rate=0 divides by zero in FTRL's update; use a "
-          "learning_rate > 0, or multiply_linear_by_learning_rate=True, "
-          "whose formula is defined at 0.")
-    check_range(name, "learning_rate_power", self.learning_rate_power,
-                -math.inf, 0.0)
+        f"{name}: multiply_linear_by_learning_rate must be a "
+        f"bool, got {self.multiply_linear_by_learning_rate!r}."
+      )
+    if (
+      not callable(self.learning_rate)
+      and self.learning_rate == 0
+      and not self.multiply_linear_by_learning_rate
+    ):
+      raise SpecError(
+        f"{name}: learning_rate=0 divides by zero in FTRL's update; use a "
+        "learning_rate > 0, or multiply_linear_by_learning_rate=True, "
+        "whose formula is defined at 0."
+      )
+    base.check_range(name, "learning_rate_power", self.learning_rate_power, -math.inf, 0.0)
     for field in ("l1", "l2", "beta", "initial_accumulator_value"):
-      check_range(name, field, getattr(self, field), 0.0, math.inf)
-    check_range(name, "initial_linear_value", self.initial_linear_value,
-                -math.inf, math.inf)
+      base.check_range(name, field, getattr(self, field), 0.0, math.inf)
+    base.check_range(name, "initial_linear_value", self.initial_linear_value, -math.inf, math.inf)
 
   def slot_specs(self):
-    return {"accumulator": SlotSpec(width=None,
-                                    init=self.initial_accumulator_value),
-            "linear": SlotSpec(width=None, init=self.initial_linear_value)}
+    return {
+      "accumulator": base.SlotSpec(width=None, init=self.initial_accumulator_value),
+      "linear": base.SlotSpec(width=None, init=self.initial_linear_value),
+    }
 
   def scalars(self, step) -> FTRLScalars:
-    return FTRLScalars(learning_rate_at(self.learning_rate, step))
+    return FTRLScalars(base.learning_rate_at(self.learning_rate, step))
 
   def _power(self, n: jax.Array) -> jax.Array:
     """n ** -k for n >= 0, with k = learning_rate_power (static)."""
@@ -142,7 +145,8 @@ class FTRL(EmbeddingOptimizer, FusedAsyncEmbUpdate):
     if not self.multiply_linear_by_learning_rate:
       # A schedule's lr == 0 makes dp / lr and quad non-finite: skip the step.
       keep = lr <= 0
-      return (jnp.where(keep, rows, w_new),
-              {"accumulator": jnp.where(keep, n, n_new),
-               "linear": jnp.where(keep, z, z_new)})
+      return (
+        jnp.where(keep, rows, w_new),
+        {"accumulator": jnp.where(keep, n, n_new), "linear": jnp.where(keep, z, z_new)},
+      )
     return w_new, {"accumulator": n_new, "linear": z_new}

@@ -49,8 +49,7 @@ class OptaxRows(EmbeddingOptimizer):
 
   def __post_init__(self):
     if not isinstance(self.tx, optax.GradientTransformation):
-      raise SpecError(f"OptaxRows: tx must be an optax.GradientTransformation, "
-                      f"got {self.tx!r}.")
+      raise SpecError(f"OptaxRows: tx must be an optax.GradientTransformation, got {self.tx!r}.")
     self.slot_specs()  # validates the state structure now, not in a trace
 
   def _leaves(self):
@@ -65,20 +64,26 @@ class OptaxRows(EmbeddingOptimizer):
     for i, leaf in enumerate(leaves):
       leaf = np.asarray(leaf)
       if leaf.dtype not in (np.float32, np.int32):
-        raise SpecError(f"OptaxRows: state leaf {i} has dtype {leaf.dtype}; "
-                        "only float32 and int32 state can be stored per row.")
+        raise SpecError(
+          f"OptaxRows: state leaf {i} has dtype {leaf.dtype}; "
+          "only float32 and int32 state can be stored per row."
+        )
       if leaf.shape not in ((), (_PROBE_DIM,)):
         raise SpecError(
-            f"OptaxRows: state leaf {i} has shape {leaf.shape} for a row of "
-            f"{_PROBE_DIM}; only row-shaped and scalar leaves are supported.")
+          f"OptaxRows: state leaf {i} has shape {leaf.shape} for a row of "
+          f"{_PROBE_DIM}; only row-shaped and scalar leaves are supported."
+        )
       if leaf.size and not (leaf == leaf.flat[0]).all():
         raise SpecError(
-            f"OptaxRows: state leaf {i} starts as {leaf.tolist()}, not one "
-            "value repeated, so it cannot be stored as a per-row slot with one "
-            "initial value; use an element-wise optax transformation.")
-      specs[f"s{i}"] = SlotSpec(width=None if leaf.shape else 1,
-                                dtype=leaf.dtype,
-                                init=float(leaf.flat[0]) if leaf.size else 0.0)
+          f"OptaxRows: state leaf {i} starts as {leaf.tolist()}, not one "
+          "value repeated, so it cannot be stored as a per-row slot with one "
+          "initial value; use an element-wise optax transformation."
+        )
+      specs[f"s{i}"] = SlotSpec(
+        width=None if leaf.shape else 1,
+        dtype=leaf.dtype,
+        init=float(leaf.flat[0]) if leaf.size else 0.0,
+      )
     return specs
 
   def scalars(self, step) -> OptaxRowsScalars:
@@ -95,8 +100,10 @@ class OptaxRows(EmbeddingOptimizer):
       state = jax.tree.unflatten(treedef, state_leaves)
       updates, state = self.tx.update(grad, state, row)
       new_leaves = jax.tree.leaves(state)
-      return (optax.apply_updates(row, updates),
-              *[s if r else s[None] for s, r in zip(new_leaves, row_shaped)])
+      return (
+        optax.apply_updates(row, updates),
+        *[s if r else s[None] for s, r in zip(new_leaves, row_shaped)],
+      )
 
     out = jax.vmap(one_row)(rows, grads, *[slots[k] for k in names])
     return out[0], dict(zip(names, out[1:]))

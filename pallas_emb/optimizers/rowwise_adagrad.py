@@ -26,9 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_emb.errors import SpecError
-from pallas_emb.optimizers.base import (
-    EmbeddingOptimizer, LearningRate, SlotSpec, check_learning_rate,
-    check_range, learning_rate_at)
+from pallas_emb.optimizers import base
 from pallas_emb.optimizers.fused_async import FusedAsyncEmbUpdate
 
 
@@ -38,7 +36,7 @@ class RowWiseAdagradScalars(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class RowWiseAdagrad(EmbeddingOptimizer, FusedAsyncEmbUpdate):
+class RowWiseAdagrad(base.EmbeddingOptimizer, FusedAsyncEmbUpdate):
   """Row-wise Adagrad (slot `acc`, (rows, 1); plus `last_step` when lazy).
 
   Attributes:
@@ -51,7 +49,7 @@ class RowWiseAdagrad(EmbeddingOptimizer, FusedAsyncEmbUpdate):
     initial_accumulator_value: >= 0 (reference: 0).
   """
 
-  learning_rate: LearningRate = 0.1
+  learning_rate: base.LearningRate = 0.1
   eps: float = 1e-10
   half_life_steps: float | None = 5000
   lazy_decay: bool = False
@@ -60,16 +58,16 @@ class RowWiseAdagrad(EmbeddingOptimizer, FusedAsyncEmbUpdate):
 
   def __post_init__(self):
     name = "RowWiseAdagrad"
-    check_learning_rate(name, self.learning_rate)
-    check_range(name, "eps", self.eps, 0.0, math.inf, lo_open=True)
+    base.check_learning_rate(name, self.learning_rate)
+    base.check_range(name, "eps", self.eps, 0.0, math.inf, lo_open=True)
     if self.half_life_steps is not None:
-      check_range(name, "half_life_steps", self.half_life_steps, 0.0, math.inf,
-                  lo_open=True)
+      base.check_range(name, "half_life_steps", self.half_life_steps, 0.0, math.inf, lo_open=True)
     if not isinstance(self.lazy_decay, bool):
       raise SpecError(f"{name}: lazy_decay must be a bool, got {self.lazy_decay!r}.")
-    check_range(name, "weight_decay", self.weight_decay, 0.0, math.inf)
-    check_range(name, "initial_accumulator_value",
-                self.initial_accumulator_value, 0.0, math.inf)
+    base.check_range(name, "weight_decay", self.weight_decay, 0.0, math.inf)
+    base.check_range(
+      name, "initial_accumulator_value", self.initial_accumulator_value, 0.0, math.inf
+    )
 
   @property
   def decay(self) -> float:
@@ -79,14 +77,15 @@ class RowWiseAdagrad(EmbeddingOptimizer, FusedAsyncEmbUpdate):
     return math.exp(-math.log(2.0) / self.half_life_steps)
 
   def slot_specs(self):
-    specs = {"acc": SlotSpec(width=1, init=self.initial_accumulator_value)}
+    specs = {"acc": base.SlotSpec(width=1, init=self.initial_accumulator_value)}
     if self.lazy_decay:
-      specs["last_step"] = SlotSpec(width=1, dtype=np.int32, init=0)
+      specs["last_step"] = base.SlotSpec(width=1, dtype=np.int32, init=0)
     return specs
 
   def scalars(self, step) -> RowWiseAdagradScalars:
-    return RowWiseAdagradScalars(learning_rate_at(self.learning_rate, step),
-                                 jnp.asarray(step, jnp.float32))
+    return RowWiseAdagradScalars(
+      base.learning_rate_at(self.learning_rate, step), jnp.asarray(step, jnp.float32)
+    )
 
   def native_rule(self):
     """("rowwise_adagrad", (eps, decay, weight_decay)): the C++ rule of the
@@ -108,7 +107,8 @@ class RowWiseAdagrad(EmbeddingOptimizer, FusedAsyncEmbUpdate):
         acc = acc * np.float32(self.decay)
     if self.lazy_decay:
       new_slots["last_step"] = jnp.broadcast_to(
-          scalars.step.astype(jnp.int32), slots["last_step"].shape)
+        scalars.step.astype(jnp.int32), slots["last_step"].shape
+      )
     acc = acc + mean_sq
     new_slots["acc"] = acc
     step = grads / (jnp.sqrt(acc) + np.float32(self.eps))

@@ -7,8 +7,7 @@ from typing import NamedTuple
 
 import jax
 
-from pallas_emb.optimizers.base import (
-    EmbeddingOptimizer, LearningRate, check_learning_rate, learning_rate_at)
+from pallas_emb.optimizers import base
 from pallas_emb.optimizers.fused_async import FusedAsyncEmbUpdate
 
 
@@ -17,23 +16,23 @@ class SGDScalars(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class SGD(EmbeddingOptimizer, FusedAsyncEmbUpdate):
+class SGD(base.EmbeddingOptimizer, FusedAsyncEmbUpdate):
   """Stochastic gradient descent; no slots. Matches `optax.sgd(lr)` bitwise.
 
   Attributes:
     learning_rate: float >= 0 or a schedule of the step.
   """
 
-  learning_rate: LearningRate = 0.01
+  learning_rate: base.LearningRate = 0.01
 
   def __post_init__(self):
-    check_learning_rate("SGD", self.learning_rate)
+    base.check_learning_rate("SGD", self.learning_rate)
 
   def slot_specs(self):
     return {}
 
   def scalars(self, step) -> SGDScalars:
-    return SGDScalars(learning_rate_at(self.learning_rate, step))
+    return SGDScalars(base.learning_rate_at(self.learning_rate, step))
 
   def native_rule(self):
     """("sgd", ()): the C++ rule of the native CPU backend, or None for a

@@ -22,35 +22,55 @@ from pallas_emb.pod_check import env
 
 
 def _parse(argv):
-  p = argparse.ArgumentParser(prog="python -m pallas_emb.pod_check",
-                              description=__doc__.split("\n\n")[0])
-  p.add_argument("--topology", default="v5e:2x2",
-                 help="comma-separated TPU topologies (v5e:2x2, v6e:2x2, "
-                      "v5p:2x2x1, v5e:4x4, ...)")
-  p.add_argument("--stacking", default="auto", choices=["auto", "off"],
-                 help="table stacking (pallas_emb.stacking)")
-  p.add_argument("--dlrm_max_rows", type=int, default=20_000,
-                 help="--workload=dlrm: cap of every table's rows (0: Criteo's)")
-  p.add_argument("--workload", default="main", choices=["main", "w_tpu", "dlrm"],
-                 help="main: the main job's model; w_tpu: one item table "
-                      "read by `item` (1 id) and `history` (20 ids)")
-  p.add_argument("--pipelines", default="async,exact",
-                 help="comma-separated: async, exact, sync")
-  p.add_argument("--vocab", type=int, default=1_000_000,
-                 help="w_tpu: rows of the item table")
-  p.add_argument("--dim", type=int, default=None,
-                 help="table width (default: 128 for w_tpu, 16 for main)")
+  p = argparse.ArgumentParser(
+    prog="python -m pallas_emb.pod_check", description=__doc__.split("\n\n")[0]
+  )
+  p.add_argument(
+    "--topology",
+    default="v5e:2x2",
+    help="comma-separated TPU topologies (v5e:2x2, v6e:2x2, v5p:2x2x1, v5e:4x4, ...)",
+  )
+  p.add_argument(
+    "--stacking",
+    default="auto",
+    choices=["auto", "off"],
+    help="table stacking (pallas_emb.stacking)",
+  )
+  p.add_argument(
+    "--dlrm_max_rows",
+    type=int,
+    default=20_000,
+    help="--workload=dlrm: cap of every table's rows (0: Criteo's)",
+  )
+  p.add_argument(
+    "--workload",
+    default="main",
+    choices=["main", "w_tpu", "dlrm"],
+    help="main: the main job's model; w_tpu: one item table "
+    "read by `item` (1 id) and `history` (20 ids)",
+  )
+  p.add_argument("--pipelines", default="async,exact", help="comma-separated: async, exact, sync")
+  p.add_argument("--vocab", type=int, default=1_000_000, help="w_tpu: rows of the item table")
+  p.add_argument(
+    "--dim", type=int, default=None, help="table width (default: 128 for w_tpu, 16 for main)"
+  )
   p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-  p.add_argument("--optimizer", default="rowwise_adagrad", choices=sorted(OPTIMIZERS),
-                 help="the embedding optimizer of every table")
+  p.add_argument(
+    "--optimizer",
+    default="rowwise_adagrad",
+    choices=sorted(OPTIMIZERS),
+    help="the embedding optimizer of every table",
+  )
   p.add_argument("--examples_per_chip", type=int, default=4096)
   p.add_argument("--unique_capacity", type=int, default=None)
   p.add_argument("--route_capacity", type=int, default=None)
-  p.add_argument("--no_async_all_to_all", action="store_true",
-                 help="leave XLA:TPU's all-to-alls synchronous")
+  p.add_argument(
+    "--no_async_all_to_all", action="store_true", help="leave XLA:TPU's all-to-alls synchronous"
+  )
   p.add_argument("--json", default=None, help="write the reports here")
-  p.add_argument("--hlo_dir", default=None,
-                 help="write each compiled step's HLO text into this directory")
+  p.add_argument(
+    "--hlo_dir", default=None, help="write each compiled step's HLO text into this directory"
+  )
   args = p.parse_args(argv)
   for name in ("vocab", "examples_per_chip", "unique_capacity", "route_capacity", "dim"):
     value = getattr(args, name)
@@ -62,11 +82,11 @@ def _parse(argv):
 # Name -> an optimizer with the main job's default learning rate (the rate
 # does not change what compiles).
 OPTIMIZERS = {
-    "sgd": lambda pe: pe.SGD(0.05),
-    "adagrad": lambda pe: pe.Adagrad(0.05),
-    "rowwise_adagrad": lambda pe: pe.RowWiseAdagrad(0.05, half_life_steps=None),
-    "lazy_adam": lambda pe: pe.LazyAdam(0.005),
-    "ftrl": lambda pe: pe.FTRL(5.0),
+  "sgd": lambda pe: pe.SGD(0.05),
+  "adagrad": lambda pe: pe.Adagrad(0.05),
+  "rowwise_adagrad": lambda pe: pe.RowWiseAdagrad(0.05, half_life_steps=None),
+  "lazy_adam": lambda pe: pe.LazyAdam(0.005),
+  "ftrl": lambda pe: pe.FTRL(5.0),
 }
 
 
@@ -75,28 +95,42 @@ def _row(r: dict) -> str:
   table = sum(t["table_bytes"] for t in r["tables"].values())
   slots = sum(t["slot_bytes"] for t in r["tables"].values())
   ov = r["overlap"]
-  return (f"{r['topology']:>10} {r['pipeline']:>6} {r['chips']:>5} {mib(table)} "
-          f"{mib(slots)} {mib(r['temp_bytes'])} {r['bytes_accessed'] / 1e9:8.2f} "
-          f"{r['floor_bytes'] / 1e9:6.2f} {r['bytes_accessed'] / r['floor_bytes']:6.1f} "
-          f"{mib(r['all_to_all_bytes'])} {len(r['table_sized_copies']):>6} "
-          f"{r['kernel_calls']:>7} {ov['overlapping']:>3}/{ov['async_collectives']:<3} "
-          f"{r['compile_seconds']:6.0f}")
+  return (
+    f"{r['topology']:>10} {r['pipeline']:>6} {r['chips']:>5} {mib(table)} "
+    f"{mib(slots)} {mib(r['temp_bytes'])} {r['bytes_accessed'] / 1e9:8.2f} "
+    f"{r['floor_bytes'] / 1e9:6.2f} {r['bytes_accessed'] / r['floor_bytes']:6.1f} "
+    f"{mib(r['all_to_all_bytes'])} {len(r['table_sized_copies']):>6} "
+    f"{r['kernel_calls']:>7} {ov['overlapping']:>3}/{ov['async_collectives']:<3} "
+    f"{r['compile_seconds']:6.0f}"
+  )
 
 
-HEADER = ("  topology   pipe chips table MiB slot MiB temp MiB  XLA GB floor GB   "
-          "x  a2a MiB copies kernels overlap compile s")
+HEADER = (
+  "  topology   pipe chips table MiB slot MiB temp MiB  XLA GB floor GB   "
+  "x  a2a MiB copies kernels overlap compile s"
+)
 
 
 def main(argv=None) -> int:
   args = _parse(argv if argv is not None else sys.argv[1:])
   env.prepare(async_all_to_all=not args.no_async_all_to_all)
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
   from pallas_emb.pod_check import compile as compile_lib  # pylint: disable=g-import-not-at-top
-  caps = {k: v for k, v in (("unique_capacity", args.unique_capacity),
-                            ("route_capacity", args.route_capacity)) if v}
+
+  caps = {
+    k: v
+    for k, v in (("unique_capacity", args.unique_capacity), ("route_capacity", args.route_capacity))
+    if v
+  }
   import pallas_emb as pe  # pylint: disable=g-import-not-at-top
-  kw = dict(dtype=jnp.dtype(args.dtype), examples_per_chip=args.examples_per_chip,
-            optimizer=OPTIMIZERS[args.optimizer](pe), stacking=args.stacking)
+
+  kw = dict(
+    dtype=jnp.dtype(args.dtype),
+    examples_per_chip=args.examples_per_chip,
+    optimizer=OPTIMIZERS[args.optimizer](pe),
+    stacking=args.stacking,
+  )
   if args.workload == "w_tpu":
     workload = compile_lib.w_tpu(args.vocab, args.dim or 128, **kw)
   elif args.workload == "dlrm":
@@ -105,8 +139,7 @@ def main(argv=None) -> int:
     workload = compile_lib.main_job(args.dim or 16, **kw)
   if caps:
     tables = {f.table for f in workload.features}
-    workload = compile_lib.dataclasses.replace(
-        workload, table_options={t: caps for t in tables})
+    workload = compile_lib.dataclasses.replace(workload, table_options={t: caps for t in tables})
   reports = []
   print(HEADER, flush=True)
   for topology in args.topology.split(","):
@@ -115,9 +148,11 @@ def main(argv=None) -> int:
       if args.hlo_dir:
         os.makedirs(args.hlo_dir, exist_ok=True)
         hlo_path = os.path.join(
-            args.hlo_dir, f"{topology.strip().replace(':', '_')}_{pipeline.strip()}.hlo.txt")
-      report = compile_lib.compile_step(topology.strip(), workload,
-                                        pipeline=pipeline.strip(), hlo_path=hlo_path)
+          args.hlo_dir, f"{topology.strip().replace(':', '_')}_{pipeline.strip()}.hlo.txt"
+        )
+      report = compile_lib.compile_step(
+        topology.strip(), workload, pipeline=pipeline.strip(), hlo_path=hlo_path
+      )
       reports.append(report)
       print(_row(report), flush=True)
   if args.json:

@@ -19,18 +19,20 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from pallas_emb import packing
 from pallas_emb.data.base import FeatureInfo
 from pallas_emb.errors import ConfigError
-from pallas_emb.model import build_ranking
+from pallas_emb.job.model import build_ranking
 from pallas_emb.pod_check import hlo
 from pallas_emb.spec import TableSpec
 from pallas_emb.train import TrainConfig, make_trainer
@@ -74,25 +76,31 @@ class Workload:
 
 def w_tpu(vocab: int = 1_000_000, dim: int = 128, **kw) -> Workload:
   """One item table: `item` (1 id, sum) and `history` (20 ids, mean)."""
-  return Workload("w_tpu", (FeatureInfo("item", "item", vocab, 1, "sum"),
-                            FeatureInfo("history", "item", vocab, 20, "mean")),
-                  emb_dim=dim, **kw)
+  return Workload(
+    "w_tpu",
+    (
+      FeatureInfo("item", "item", vocab, 1, "sum"),
+      FeatureInfo("history", "item", vocab, 20, "mean"),
+    ),
+    emb_dim=dim,
+    **kw,
+  )
 
 
 def main_job(emb_dim: int = 16, **kw) -> Workload:
   """The main job's model on its synthetic click log."""
   from pallas_emb.data.synthetic import SyntheticClickLog  # pylint: disable=g-import-not-at-top
+
   data = SyntheticClickLog()
-  return Workload("main", data.features, emb_dim=emb_dim,
-                  num_dense=data.num_dense, **kw)
+  return Workload("main", data.features, emb_dim=emb_dim, num_dense=data.num_dense, **kw)
 
 
 def dlrm(max_rows: int | None = 20_000, **kw) -> Workload:
   """26 Criteo-shaped tables, D=16..128 (`pallas_emb.data.dlrm`)."""
   from pallas_emb.data.dlrm import DlrmClickLog  # pylint: disable=g-import-not-at-top
+
   data = DlrmClickLog(max_rows=max_rows)
-  return Workload("dlrm", data.features, emb_dim=16, num_dense=data.num_dense,
-                  dims=data.dims, **kw)
+  return Workload("dlrm", data.features, emb_dim=16, num_dense=data.num_dense, dims=data.dims, **kw)
 
 
 WORKLOADS = {"w_tpu": w_tpu, "main": main_job, "dlrm": dlrm}
@@ -101,28 +109,30 @@ WORKLOADS = {"w_tpu": w_tpu, "main": main_job, "dlrm": dlrm}
 def topology_mesh(topology: str) -> Mesh:
   """A 1-D mesh over every chip of a TPU topology such as "v5e:2x2"."""
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+
   try:
     topo = topologies.get_topology_desc(topology, "tpu")
   except Exception as e:  # libtpu missing, or a name it does not know
     raise ConfigError(
-        f"cannot describe TPU topology {topology!r} ({type(e).__name__}: "
-        f"{e}); install libtpu with `pip install \"pallas-emb[tpu]\"`, run in "
-        "a process started by `python -m pallas_emb.pod_check`, and name a "
-        "topology like 'v5e:2x2', 'v6e:2x2' or 'v5p:2x2x1'.") from e
+      f"cannot describe TPU topology {topology!r} ({type(e).__name__}: "
+      f'{e}); install libtpu with `pip install "pallas-emb[tpu]"`, run in '
+      "a process started by `python -m pallas_emb.pod_check`, and name a "
+      "topology like 'v5e:2x2', 'v6e:2x2' or 'v5p:2x2x1'."
+    ) from e
   return Mesh(np.array(topo.devices), (AXIS,))
 
 
 def _abstract(tree, sharding):
-  return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
 
 def _sharded(tree, mesh):
   """Abstract arrays: batch-like (ndim >= 1) split over the axis, scalars
   replicated, as the training step returns them."""
   rows, rep = NamedSharding(mesh, P(AXIS)), NamedSharding(mesh, P())
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      x.shape, x.dtype, sharding=rows if x.ndim else rep), tree)
+  return jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows if x.ndim else rep), tree
+  )
 
 
 def build(topology: str, workload: Workload, pipeline: str = "async"):
@@ -136,33 +146,46 @@ def build(topology: str, workload: Workload, pipeline: str = "async"):
   opt = workload.optimizer
   if opt is None:
     from pallas_emb.optimizers import RowWiseAdagrad  # pylint: disable=g-import-not-at-top
+
     opt = RowWiseAdagrad(0.05, half_life_steps=None)
   emb, model = build_ranking(
-      workload, mesh, emb_dim=workload.emb_dim, optimizer=opt,
-      hidden=workload.hidden, dtype=workload.dtype, backend=workload.backend,
-      table_options=workload.table_options, stacking=workload.stacking)
+    workload,
+    mesh,
+    emb_dim=workload.emb_dim,
+    optimizer=opt,
+    hidden=workload.hidden,
+    dtype=workload.dtype,
+    backend=workload.backend,
+    table_options=workload.table_options,
+    stacking=workload.stacking,
+  )
   batch_size = workload.examples_per_chip * mesh.size
   rows = NamedSharding(mesh, P(AXIS))
   sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=rows)
-  batch = {"ids": {f.name: sds((batch_size, f.bag_size), jnp.int32)
-                   for f in workload.features},
-           "dense": sds((batch_size, workload.num_dense), jnp.float32),
-           "label": sds((batch_size,), jnp.float32),
-           "weight": sds((batch_size,), jnp.float32)}
-  config = {"async": TrainConfig(use_async_emb=True),
-            "exact": TrainConfig(use_async_emb=True, exact=True),
-            "sync": TrainConfig(use_async_emb=False)}[pipeline]
+  batch = {
+    "ids": {f.name: sds((batch_size, f.bag_size), jnp.int32) for f in workload.features},
+    "dense": sds((batch_size, workload.num_dense), jnp.float32),
+    "label": sds((batch_size,), jnp.float32),
+    "weight": sds((batch_size,), jnp.float32),
+  }
+  config = {
+    "async": TrainConfig(use_async_emb=True),
+    "exact": TrainConfig(use_async_emb=True, exact=True),
+    "sync": TrainConfig(use_async_emb=False),
+  }[pipeline]
   trainer = make_trainer(emb, model.loss, optax.adam(1e-3), config, batch)
   replicated = NamedSharding(mesh, P())
   params = _abstract(jax.eval_shape(model.init, jax.random.key(0)), replicated)
   tables = jax.eval_shape(emb.init, jax.random.key(0))
   state = jax.eval_shape(trainer.init, params, tables, batch)
   state = state._replace(
-      params=params,
-      opt_state=_abstract(state.opt_state, replicated),
-      step=_abstract(state.step, replicated),
-      tables=_sharded(state.tables, mesh), pending=_sharded(state.pending, mesh),
-      lookups=_sharded(state.lookups, mesh))
+    params=params,
+    opt_state=_abstract(state.opt_state, replicated),
+    step=_abstract(state.step, replicated),
+    tables=_sharded(state.tables, mesh),
+    pending=_sharded(state.pending, mesh),
+    lookups=_sharded(state.lookups, mesh),
+  )
   return trainer, state, batch
 
 
@@ -172,13 +195,14 @@ def floor_bytes(emb, workload: Workload, mesh_size: int) -> int:
   per-row scalar slot is read and written."""
   total = 0
   for spec in emb.tables:
-    ids = sum(workload.examples_per_chip * f.bag_size
-              for f in workload.features if f.table == spec.name)
+    ids = sum(
+      workload.examples_per_chip * f.bag_size for f in workload.features if f.table == spec.name
+    )
     row = packing.storage_width(spec.dim, spec.dtype) * 4
-    scalars = sum(4 for s in spec.optimizer.slot_specs().values()
-                  if s.width == 1)
-    wide = sum(s.width_for(spec.dim) * 4
-               for s in spec.optimizer.slot_specs().values() if s.width != 1)
+    scalars = sum(4 for s in spec.optimizer.slot_specs().values() if s.width == 1)
+    wide = sum(
+      s.width_for(spec.dim) * 4 for s in spec.optimizer.slot_specs().values() if s.width != 1
+    )
     total += ids * (3 * row + spec.dim * 4 + 2 * (scalars + wide))
   del mesh_size  # per chip: ids per chip already
   return total
@@ -186,13 +210,15 @@ def floor_bytes(emb, workload: Workload, mesh_size: int) -> int:
 
 def _state_bytes(spec: TableSpec, rows_per_shard: int) -> tuple[int, int]:
   table = rows_per_shard * packing.storage_width(spec.dim, spec.dtype) * 4
-  slots = sum(rows_per_shard * s.width_for(spec.dim) * 4
-              for s in spec.optimizer.slot_specs().values())
+  slots = sum(
+    rows_per_shard * s.width_for(spec.dim) * 4 for s in spec.optimizer.slot_specs().values()
+  )
   return table, slots
 
 
-def compile_step(topology: str, workload: Workload, *,
-                 pipeline: str = "async", hlo_path: str | None = None) -> dict:
+def compile_step(
+  topology: str, workload: Workload, *, pipeline: str = "async", hlo_path: str | None = None
+) -> dict:
   """Compiles one training step for `topology` and reports per chip.
 
   Args:
@@ -207,8 +233,7 @@ def compile_step(topology: str, workload: Workload, *,
   tic = time.perf_counter()
   trainer, state, batch = build(topology, workload, pipeline)
   emb = trainer.emb
-  lowered = _jit_step.trace(trainer, state, batch, batch).lower(
-      lowering_platforms=("tpu",))
+  lowered = _jit_step.trace(trainer, state, batch, batch).lower(lowering_platforms=("tpu",))
   compiled = lowered.compile()
   seconds = time.perf_counter() - tic
   mem = compiled.memory_analysis()
@@ -223,45 +248,51 @@ def compile_step(topology: str, workload: Workload, *,
     rps = emb.layout(spec.name).rows_per_shard
     table_bytes, slot_bytes = _state_bytes(spec, rps)
     shapes = {(rps, packing.storage_width(spec.dim, spec.dtype))} | {
-        s.shape_for(rps, spec.dim) for s in spec.optimizer.slot_specs().values()}
-    tables[spec.name] = {"rows": spec.num_rows, "dim": spec.dim,
-                         "dtype": str(np.dtype(spec.dtype)),
-                         "rows_per_chip": rps, "table_bytes": table_bytes,
-                         "slot_bytes": slot_bytes,
-                         "capacities": dataclasses.asdict(
-                             _capacities(emb, spec, workload)),
-                         "copies": hlo.copies_of(text, shapes),
-                         "prefetches": hlo.copies_of(text, shapes, prefetch=True)}
+      s.shape_for(rps, spec.dim) for s in spec.optimizer.slot_specs().values()
+    }
+    tables[spec.name] = {
+      "rows": spec.num_rows,
+      "dim": spec.dim,
+      "dtype": str(np.dtype(spec.dtype)),
+      "rows_per_chip": rps,
+      "table_bytes": table_bytes,
+      "slot_bytes": slot_bytes,
+      "capacities": dataclasses.asdict(_capacities(emb, spec, workload)),
+      "copies": hlo.copies_of(text, shapes),
+      "prefetches": hlo.copies_of(text, shapes, prefetch=True),
+    }
   floor = floor_bytes(emb, workload, len(emb.mesh.devices.flat))
   collectives = hlo.collectives(text)
   return {
-      "topology": topology, "chips": int(emb.mesh.size),
-      "device_kind": emb.mesh.devices.flat[0].device_kind,
-      "workload": workload.name, "pipeline": pipeline,
-      "stacking": str(emb.stacking), "physical_tables": len(emb.table_names),
-      "examples_per_chip": workload.examples_per_chip,
-      "ids_per_chip": sum(workload.examples_per_chip * f.bag_size
-                          for f in workload.features),
-      "backend": emb.backend, "compile_seconds": seconds, "tables": tables,
-      "argument_bytes": mem.argument_size_in_bytes,
-      "output_bytes": mem.output_size_in_bytes,
-      "alias_bytes": mem.alias_size_in_bytes,
-      "temp_bytes": mem.temp_size_in_bytes,
-      "bytes_accessed": float(cost.get("bytes accessed", float("nan"))),
-      "flops": float(cost.get("flops", float("nan"))),
-      "floor_bytes": floor,
-      "all_to_all_bytes": sum(c["bytes"] for c in collectives
-                              if "all-to-all" in c["op"]),
-      "collectives": collectives,
-      # Of the table or a slot of any table, relaid out every step.
-      "table_sized_copies": sum((t["copies"] for t in tables.values()), []),
-      "kernel_calls": hlo.kernel_calls(text),
-      "overlap": hlo.overlap(text),
+    "topology": topology,
+    "chips": int(emb.mesh.size),
+    "device_kind": emb.mesh.devices.flat[0].device_kind,
+    "workload": workload.name,
+    "pipeline": pipeline,
+    "stacking": str(emb.stacking),
+    "physical_tables": len(emb.table_names),
+    "examples_per_chip": workload.examples_per_chip,
+    "ids_per_chip": sum(workload.examples_per_chip * f.bag_size for f in workload.features),
+    "backend": emb.backend,
+    "compile_seconds": seconds,
+    "tables": tables,
+    "argument_bytes": mem.argument_size_in_bytes,
+    "output_bytes": mem.output_size_in_bytes,
+    "alias_bytes": mem.alias_size_in_bytes,
+    "temp_bytes": mem.temp_size_in_bytes,
+    "bytes_accessed": float(cost.get("bytes accessed", float("nan"))),
+    "flops": float(cost.get("flops", float("nan"))),
+    "floor_bytes": floor,
+    "all_to_all_bytes": sum(c["bytes"] for c in collectives if "all-to-all" in c["op"]),
+    "collectives": collectives,
+    # Of the table or a slot of any table, relaid out every step.
+    "table_sized_copies": sum((t["copies"] for t in tables.values()), []),
+    "kernel_calls": hlo.kernel_calls(text),
+    "overlap": hlo.overlap(text),
   }
 
 
 def _capacities(emb, spec: TableSpec, workload: Workload):
   bags = {f.name: f.bag_size for f in workload.features}
-  tokens = sum(workload.examples_per_chip * bags[f.name]
-               for f in emb.features_of(spec.name))
+  tokens = sum(workload.examples_per_chip * bags[f.name] for f in emb.features_of(spec.name))
   return emb.sharded_table(spec.name, tokens).capacities

@@ -17,9 +17,12 @@ import sys
 # the async pipeline's table update can overlap the dense compute.
 ASYNC_ALL_TO_ALL = "--xla_tpu_enable_async_all_to_all=true"
 
-_DEFAULTS = {"JAX_PLATFORMS": "cpu", "TPU_SKIP_MDS_QUERY": "1",
-             "TPU_WORKER_HOSTNAMES": "localhost",
-             "TPU_ACCELERATOR_TYPE": "v5litepod-4"}
+_DEFAULTS = {
+  "JAX_PLATFORMS": "cpu",
+  "TPU_SKIP_MDS_QUERY": "1",
+  "TPU_WORKER_HOSTNAMES": "localhost",
+  "TPU_ACCELERATOR_TYPE": "v5litepod-4",
+}
 
 
 def prepare(async_all_to_all: bool = True) -> None:
@@ -30,8 +33,9 @@ def prepare(async_all_to_all: bool = True) -> None:
   """
   if "jax" in sys.modules:
     raise RuntimeError(
-        "pallas_emb.pod_check.env.prepare() must run before JAX is imported; "
-        "start a fresh process with `python -m pallas_emb.pod_check`.")
+      "pallas_emb.pod_check.env.prepare() must run before JAX is imported; "
+      "start a fresh process with `python -m pallas_emb.pod_check`."
+    )
   for key, value in _DEFAULTS.items():
     os.environ.setdefault(key, value)
   args = os.environ.get("LIBTPU_INIT_ARGS", "")

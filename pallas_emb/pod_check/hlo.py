@@ -12,13 +12,29 @@ from __future__ import annotations
 import collections
 import re
 
-_DTYPE_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1,
-                "u8": 1, "pred": 1, "s64": 8, "u64": 8, "f64": 8}
+_DTYPE_BYTES = {
+  "f32": 4,
+  "s32": 4,
+  "u32": 4,
+  "bf16": 2,
+  "f16": 2,
+  "s8": 1,
+  "u8": 1,
+  "pred": 1,
+  "s64": 8,
+  "u64": 8,
+  "f64": 8,
+}
 _SHAPE = re.compile(r"\b(f32|s32|u32|bf16|f16|s8|u8|pred|s64|u64|f64)\[([\d,]*)\]")
-_INSTRUCTION = re.compile(
-    r"^\s*(?:ROOT )?(%[\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
-_COLLECTIVES = ("all-to-all", "ragged-all-to-all", "all-reduce", "all-gather",
-                "reduce-scatter", "collective-permute")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?(%[\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
+_COLLECTIVES = (
+  "all-to-all",
+  "ragged-all-to-all",
+  "all-reduce",
+  "all-gather",
+  "reduce-scatter",
+  "collective-permute",
+)
 
 
 def _bytes(shape_text: str) -> int:
@@ -37,7 +53,7 @@ def _instructions(text: str, entry_only: bool):
   lines = text.splitlines()
   if entry_only:
     start = next(i for i, l in enumerate(lines) if l.startswith("ENTRY"))
-    lines = lines[start + 1:]
+    lines = lines[start + 1 :]
     end = next((i for i, l in enumerate(lines) if l.startswith("}")), len(lines))
     lines = lines[:end]
   for line in lines:
@@ -53,8 +69,7 @@ def collectives(text: str) -> list[dict]:
   for name, shape, op, _ in _instructions(text, entry_only=False):
     base = op.removesuffix("-start")
     if base in _COLLECTIVES and not op.endswith("-done"):
-      out.append({"name": name, "op": base, "bytes": _bytes(shape),
-                  "async": op.endswith("-start")})
+      out.append({"name": name, "op": base, "bytes": _bytes(shape), "async": op.endswith("-start")})
   return out
 
 
@@ -80,8 +95,11 @@ def copies_of(text: str, shapes, *, prefetch: bool = False) -> list[str]:
 
 def kernel_calls(text: str) -> int:
   """Pallas (Mosaic) kernel launches per step."""
-  return sum(1 for _, _, op, line in _instructions(text, entry_only=False)
-             if op == "custom-call" and "tpu_custom_call" in line)
+  return sum(
+    1
+    for _, _, op, line in _instructions(text, entry_only=False)
+    if op == "custom-call" and "tpu_custom_call" in line
+  )
 
 
 def _dense_computations(text: str) -> set[str]:
@@ -108,20 +126,30 @@ def overlap(text: str) -> dict:
   for name, _, op, line in _instructions(text, entry_only=True):
     calls = re.search(r"calls=(%[\w.\-]+)", line)
     is_dense = op in ("convolution", "dot") or (
-        op == "fusion" and calls is not None and calls.group(1) in dense)
+      op == "fusion" and calls is not None and calls.group(1) in dense
+    )
     operand = re.search(r"-done\((%[\w.\-]+)", line)
     source = re.search(r'op_name="[^"]*?jit\((\w+)\)/shard_map', line)
-    ops.append((name, op, is_dense, operand.group(1) if operand else None,
-                source.group(1) if source else ""))
-  starts = {name: i for i, (name, op, *_) in enumerate(ops)
-            if op.endswith("-start") and op.removesuffix("-start") in _COLLECTIVES}
+    ops.append(
+      (name, op, is_dense, operand.group(1) if operand else None, source.group(1) if source else "")
+    )
+  starts = {
+    name: i
+    for i, (name, op, *_) in enumerate(ops)
+    if op.endswith("-start") and op.removesuffix("-start") in _COLLECTIVES
+  }
   pairs = []
   for i, (_, op, _, operand, _) in enumerate(ops):
     if op.endswith("-done") and operand in starts:
       s = starts[operand]
       between = sum(1 for j in range(s + 1, i) if ops[j][2])
-      pairs.append({"op": op.removesuffix("-done"), "program": ops[s][4],
-                    "dense_ops_between": between})
+      pairs.append(
+        {"op": op.removesuffix("-done"), "program": ops[s][4], "dense_ops_between": between}
+      )
   counts = collections.Counter(p["dense_ops_between"] > 0 for p in pairs)
-  return {"async_collectives": len(pairs), "overlapping": counts[True],
-          "dense_ops": sum(1 for o in ops if o[2]), "pairs": pairs}
+  return {
+    "async_collectives": len(pairs),
+    "overlapping": counts[True],
+    "dense_ops": sum(1 for o in ops if o[2]),
+    "pairs": pairs,
+  }

@@ -25,8 +25,7 @@ class BestEval:
   def add(self, step: int, metrics: dict) -> bool:
     """Records an evaluation -> whether it is the best so far."""
     loss = metrics["logloss"]
-    if self.metrics is None or (math.isfinite(loss) and
-                                loss < self.metrics["logloss"]):
+    if self.metrics is None or (math.isfinite(loss) and loss < self.metrics["logloss"]):
       self.step, self.metrics, self.since_best = step, dict(metrics), 0
       return True
     self.since_best += 1
@@ -39,8 +38,7 @@ class BestEval:
 
   def state(self) -> dict:
     """JSON for a checkpoint's metadata (a resumed run keeps its best)."""
-    return {"step": self.step, "metrics": self.metrics,
-            "since_best": self.since_best}
+    return {"step": self.step, "metrics": self.metrics, "since_best": self.since_best}
 
   def restore(self, state: dict | None) -> None:
     if state:

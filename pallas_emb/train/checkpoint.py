@@ -14,9 +14,8 @@ and never saves it). Nothing saved depends on the device count:
   dim) token gradients in batch order, not in the per-device order of the
   routing; so are the embeddings of the started lookup (B, dim) or (B, L,
   dim);
-* routing plans are not saved: they are functions of the ids, so restore
-  plans them again on its own mesh from the batches at the data position,
-  which the caller supplies.
+* routing plans are not saved: restore plans them again on its own mesh
+  from the batches at the data position, which the caller supplies.
 
 A run restored onto the same mesh continues bit-for-bit as if never stopped.
 
@@ -30,7 +29,8 @@ with `CheckpointMismatchError` before any array is read.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,8 +38,7 @@ import numpy as np
 
 from pallas_emb import async_emb, programs, tokens
 from pallas_emb import state as state_lib
-from pallas_emb.errors import (
-    CheckpointCorruptError, CheckpointError, CheckpointMismatchError)
+from pallas_emb.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from pallas_emb.inputs import token_shape
 from pallas_emb.state import TableState
 from pallas_emb.train.checkpoint_dir import CheckpointDir, StepUnreadable
@@ -72,20 +71,20 @@ def _abstract(x) -> jax.ShapeDtypeStruct:
 
 def _members(trainer: Trainer, name: str) -> tuple[str, ...]:
   """The logical tables stored in physical table `name`."""
-  return next(tuple(t.name for t in g.tables) for g in trainer.emb.groups
-              if g.name == name)
+  return next(tuple(t.name for t in g.tables) for g in trainer.emb.groups if g.name == name)
 
 
 def _per_table(trainer: Trainer, name: str, per_feature: Mapping) -> dict:
   """Feature -> value of physical table `name` -> logical table ->
   feature -> value."""
-  return {t: {f.name: per_feature[f.name] for f in trainer.emb.features_of(t)}
-          for t in _members(trainer, name)}
+  return {
+    t: {f.name: per_feature[f.name] for f in trainer.emb.logical_features(t)}
+    for t in _members(trainer, name)
+  }
 
 
 def _optimizer_meta(opt) -> dict:
-  return {"optimizer": type(opt).__name__,
-          "slots": sorted(opt.slot_specs())}
+  return {"optimizer": type(opt).__name__, "slots": sorted(opt.slot_specs())}
 
 
 class Restored(NamedTuple):
@@ -118,11 +117,11 @@ class Checkpointer:
     CheckpointDirError: the directory cannot be written (unless read_only).
   """
 
-  def __init__(self, directory: str, trainer: Trainer, max_to_keep: int = 3,
-               read_only: bool = False):
+  def __init__(
+    self, directory: str, trainer: Trainer, max_to_keep: int = 3, read_only: bool = False
+  ):
     self.trainer = trainer
-    self.dir = CheckpointDir(directory, max_to_keep=max_to_keep,
-                             writable=not read_only)
+    self.dir = CheckpointDir(directory, max_to_keep=max_to_keep, writable=not read_only)
 
   @property
   def directory(self) -> str:
@@ -133,8 +132,12 @@ class Checkpointer:
     steps = self.dir.steps()
     return steps[0] if steps else None
 
-  def save(self, state: TrainState, batch_shapes: Mapping[str, tuple[int, int]],
-           extra: Mapping[str, Any] | None = None) -> int:
+  def save(
+    self,
+    state: TrainState,
+    batch_shapes: Mapping[str, tuple[int, int]],
+    extra: Mapping[str, Any] | None = None,
+  ) -> int:
     """Writes a checkpoint named by `state.step` (blocking until durable).
 
     Args:
@@ -150,26 +153,41 @@ class Checkpointer:
     pending, lookup_acts = {}, {}
     for name, ctx in tr.contexts:
       names, shapes = _token_layout(ctx, batch_shapes)
-      grads = _to_features(state.pending[name].grads, names, shapes,
-                           ctx.group_size)
-      pending.update((t, {"pending": state.pending[name].pending, "grads": g})
-                     for t, g in _per_table(tr, name, grads).items())
+      grads = _to_features(state.pending[name].grads, names, shapes, ctx.group_size)
+      pending.update(
+        (t, {"pending": state.pending[name].pending, "grads": g})
+        for t, g in _per_table(tr, name, grads).items()
+      )
       # The started lookup's embeddings are saved rather than recomputed on
       # restore, so a resumed run is bit-identical whatever XLA fuses them
       # into.
       lookup_acts.update(_per_table(tr, name, state.lookups[name].acts))
-    item = {"params": state.params, "opt_state": state.opt_state,
-            "tables": {k: _table_dict(v) for k, v in
-                       tr.emb.member_states(state.tables).items()},
-            "pending": pending, "lookup_acts": lookup_acts, "step": state.step}
-    meta = {"step": step, "num_shards": tr.emb.num_shards,
-            "tables": {t.name: {"num_rows": t.num_rows, "dim": t.dim,
-                                "dtype": str(np.dtype(t.dtype)), "layout": t.layout,
-                                **_optimizer_meta(t.optimizer)}
-                       for t in tr.emb.tables},
-            "use_async_emb": tr.config.use_async_emb, "exact": tr.config.exact,
-            "batch_shapes": {k: list(v) for k, v in batch_shapes.items()},
-            "extra": dict(extra or {})}
+    item = {
+      "params": state.params,
+      "opt_state": state.opt_state,
+      "tables": {k: _table_dict(v) for k, v in tr.emb.member_states(state.tables).items()},
+      "pending": pending,
+      "lookup_acts": lookup_acts,
+      "step": state.step,
+    }
+    meta = {
+      "step": step,
+      "num_shards": tr.emb.num_shards,
+      "tables": {
+        t.name: {
+          "num_rows": t.num_rows,
+          "dim": t.dim,
+          "dtype": str(np.dtype(t.dtype)),
+          "layout": t.layout,
+          **_optimizer_meta(t.optimizer),
+        }
+        for t in tr.emb.tables
+      },
+      "use_async_emb": tr.config.use_async_emb,
+      "exact": tr.config.exact,
+      "batch_shapes": {k: list(v) for k, v in batch_shapes.items()},
+      "extra": dict(extra or {}),
+    }
     self.dir.write(step, item, meta)
     return step
 
@@ -184,17 +202,18 @@ class Checkpointer:
       return self.dir.read_meta(step)
     except StepUnreadable as e:
       raise CheckpointCorruptError(
-          f"checkpoint step {step} in {self.directory!r} is not intact: "
-          f"{e}.") from None
+        f"checkpoint step {step} in {self.directory!r} is not intact: {e}."
+      ) from None
 
-  def restore(self, template: TrainState,
-              batch_at: Callable[[int], Any], step: int | None = None) -> TrainState:
+  def restore(
+    self, template: TrainState, batch_at: Callable[[int], Any], step: int | None = None
+  ) -> TrainState:
     """`restore_verified(...).state`."""
     return self.restore_verified(template, batch_at, step).state
 
-  def restore_verified(self, template: TrainState,
-                       batch_at: Callable[[int], Any],
-                       step: int | None = None) -> Restored:
+  def restore_verified(
+    self, template: TrainState, batch_at: Callable[[int], Any], step: int | None = None
+  ) -> Restored:
     """Restores the newest intact checkpoint into this trainer's mesh.
 
     Each step is read back and checked against its checksums, newest first;
@@ -227,24 +246,23 @@ class Checkpointer:
         item = self.dir.read_state(s, self._target(template, meta), meta)
       except StepUnreadable as e:
         skipped.append((s, str(e)))
-        log.warning("checkpoint step %d in %s is not intact, skipped: %s",
-                    s, self.directory, e)
+        log.warning("checkpoint step %d in %s is not intact, skipped: %s", s, self.directory, e)
         continue
       tables = self.trainer.emb.from_member_states(
-          {name: self._table(name, meta, d)
-           for name, d in item["tables"].items()})
+        {name: self._table(name, meta, d) for name, d in item["tables"].items()}
+      )
       pending, lookups = self._pipeline(tables, item, meta, batch_at, s)
       if self.dir.writable:
         for bad, _ in skipped:
           self.dir.quarantine(bad)
-      state = TrainState(item["params"], item["opt_state"], tables, pending,
-                         lookups, item["step"])
+      state = TrainState(item["params"], item["opt_state"], tables, pending, lookups, item["step"])
       return Restored(state, s, meta, tuple(skipped))
     reasons = "; ".join(f"step {s}: {why}" for s, why in skipped)
     raise CheckpointCorruptError(
-        f"no intact checkpoint in {self.directory!r} ({reasons}). Restore "
-        "the directory from a backup, or move it away to train from "
-        "scratch.")
+      f"no intact checkpoint in {self.directory!r} ({reasons}). Restore "
+      "the directory from a backup, or move it away to train from "
+      "scratch."
+    )
 
   def _old_layout(self, name: str, meta: dict) -> RowLayout | None:
     """The saved layout of table `name`, or None if it is this trainer's."""
@@ -262,32 +280,40 @@ class Checkpointer:
       if old is None:
         tables[name] = jax.tree.map(_abstract, _table_dict(ts))
         continue
-      spec = tr.emb.table_spec(name)
+      spec = tr.emb.logical_spec(name)
       specs = spec.optimizer.slot_specs()
       tables[name] = {
-          "table": np.zeros((old.num_physical_rows,) + ts.table.shape[1:],
-                            ts.table.dtype),
-          "slots": {k: np.zeros(specs[k].shape_for(
-              old.num_physical_rows, spec.dim, old.rows_per_shard), v.dtype)
-                    for k, v in ts.slots.items()},
-          "step": np.zeros((), np.int32)}
+        "table": np.zeros((old.num_physical_rows,) + ts.table.shape[1:], ts.table.dtype),
+        "slots": {
+          k: np.zeros(
+            specs[k].shape_for(old.num_physical_rows, spec.dim, old.rows_per_shard), v.dtype
+          )
+          for k, v in ts.slots.items()
+        },
+        "step": np.zeros((), np.int32),
+      }
     pending, lookup_acts = {}, {}
     for name, ctx in tr.contexts:
       names, shapes = _token_layout(ctx, meta["batch_shapes"])
-      grads = {n: jax.ShapeDtypeStruct((*shape, ctx.emb_width), jnp.float32,
-                                       sharding=tr.emb.sharding())
-               for n, shape in zip(names, shapes)}
-      flag = jax.ShapeDtypeStruct((), jnp.bool_,
-                                  sharding=tr.emb.sharding(rows=False))
-      pending.update((t, {"pending": flag, "grads": g})
-                     for t, g in _per_table(tr, name, grads).items())
-      lookup_acts.update(_per_table(tr, name, jax.tree.map(
-          _abstract, dict(template.lookups[name].acts))))
-    return {"params": jax.tree.map(_abstract, template.params),
-            "opt_state": jax.tree.map(_abstract, template.opt_state),
-            "tables": tables, "pending": pending,
-            "lookup_acts": lookup_acts,
-            "step": _abstract(template.step)}
+      grads = {
+        n: jax.ShapeDtypeStruct((*shape, ctx.emb_width), jnp.float32, sharding=tr.emb.sharding())
+        for n, shape in zip(names, shapes)
+      }
+      flag = jax.ShapeDtypeStruct((), jnp.bool_, sharding=tr.emb.sharding(rows=False))
+      pending.update(
+        (t, {"pending": flag, "grads": g}) for t, g in _per_table(tr, name, grads).items()
+      )
+      lookup_acts.update(
+        _per_table(tr, name, jax.tree.map(_abstract, dict(template.lookups[name].acts)))
+      )
+    return {
+      "params": jax.tree.map(_abstract, template.params),
+      "opt_state": jax.tree.map(_abstract, template.opt_state),
+      "tables": tables,
+      "pending": pending,
+      "lookup_acts": lookup_acts,
+      "step": _abstract(template.step),
+    }
 
   def _table(self, name: str, meta: dict, d: dict) -> TableState:
     """A restored table on this mesh, resharded if its layout changed."""
@@ -296,12 +322,12 @@ class Checkpointer:
       return TableState(d["table"], dict(d["slots"]), d["step"])
     emb = self.trainer.emb
     new = emb.logical_layout(name)
-    slots = state_lib.reshard_slots(emb.table_spec(name), old, new, d["slots"])
+    slots = state_lib.reshard_slots(emb.logical_spec(name), old, new, d["slots"])
     return TableState(
-        jax.device_put(old.reshard(np.asarray(d["table"]), new), emb.sharding()),
-        {k: jax.device_put(v, emb.sharding()) for k, v in slots.items()},
-        jax.device_put(jnp.asarray(d["step"], jnp.int32),
-                       emb.sharding(rows=False)))
+      jax.device_put(old.reshard(np.asarray(d["table"]), new), emb.sharding()),
+      {k: jax.device_put(v, emb.sharding()) for k, v in slots.items()},
+      jax.device_put(jnp.asarray(d["step"], jnp.int32), emb.sharding(rows=False)),
+    )
 
   def _pipeline(self, tables, item, meta, batch_at, step):
     """The pending updates and started lookups of the async pipelines.
@@ -316,23 +342,21 @@ class Checkpointer:
     pending_batch, next_batch = batch_at(step - 1), batch_at(step)
     for name, ctx in tr.contexts:
       members = _members(tr, name)
-      started = async_emb.lookup_start(
-          ctx, tables[name].table, ctx.table_inputs(next_batch["ids"]))
-      lookups[name] = started._replace(acts={
-          k: v for t in members for k, v in item["lookup_acts"][t].items()})
+      started = async_emb.lookup_start(ctx, tables[name].table, ctx.table_inputs(next_batch["ids"]))
+      lookups[name] = started._replace(
+        acts={k: v for t in members for k, v in item["lookup_acts"][t].items()}
+      )
       if tr.config.exact or step == 0:
         pending[name] = async_emb.empty_gradient_update(ctx)
         continue
       # The members of a stack were saved with the same pending flag.
       flag = item["pending"][members[0]]["pending"]
-      grads = {k: v for t in members
-               for k, v in item["pending"][t]["grads"].items()}
+      grads = {k: v for t in members for k, v in item["pending"][t]["grads"].items()}
       names, _ = _token_layout(ctx, meta["batch_shapes"])
-      routed = programs.plan(ctx.sharded_table, tuple(
-          pending_batch["ids"][n] for n in names))
+      routed = programs.plan(ctx.sharded_table, tuple(pending_batch["ids"][n] for n in names))
       pending[name] = async_emb.AsyncEmbGradientUpdate.from_residuals(
-          routed, _to_devices(grads, names, ctx.group_size), flag,
-          ctx.identity)
+        routed, _to_devices(grads, names, ctx.group_size), flag, ctx.identity
+      )
     return pending, lookups
 
   def _check_compatible(self, meta: dict, batch, step: int) -> None:
@@ -346,27 +370,31 @@ class Checkpointer:
       want = {"num_rows": t.num_rows, "dim": t.dim, "dtype": str(np.dtype(t.dtype))}
       if saved is None or any(saved[k] != v for k, v in want.items()):
         raise CheckpointMismatchError(
-            f"{where} has table {t.name!r} as {saved}, but the trainer's is "
-            f"{want}; restore with the same table specs, or use a new "
-            "checkpoint directory.")
+          f"{where} has table {t.name!r} as {saved}, but the trainer's is "
+          f"{want}; restore with the same table specs, or use a new "
+          "checkpoint directory."
+        )
       opt = _optimizer_meta(t.optimizer)
       if "optimizer" in saved and any(saved[k] != v for k, v in opt.items()):
         raise CheckpointMismatchError(
-            f"{where} trained table {t.name!r} with {saved['optimizer']} "
-            f"(slots {saved['slots']}), but the trainer's optimizer is "
-            f"{opt['optimizer']} (slots {opt['slots']}); resume with the "
-            "optimizer the checkpoint was written with, or use a new "
-            "checkpoint directory.")
+          f"{where} trained table {t.name!r} with {saved['optimizer']} "
+          f"(slots {saved['slots']}), but the trainer's optimizer is "
+          f"{opt['optimizer']} (slots {opt['slots']}); resume with the "
+          "optimizer the checkpoint was written with, or use a new "
+          "checkpoint directory."
+        )
     shapes = {k: list(token_shape(v)) for k, v in sorted(batch["ids"].items())}
     if any(shapes.get(k) != v for k, v in meta["batch_shapes"].items()):
       raise CheckpointMismatchError(
-          f"{where} was written for batches of ids shaped "
-          f"{dict(sorted(meta['batch_shapes'].items()))}, but the batches now "
-          f"are {shapes}; "
-          "resume with the batch size the checkpoint was written with, or "
-          "use a new checkpoint directory.")
+        f"{where} was written for batches of ids shaped "
+        f"{dict(sorted(meta['batch_shapes'].items()))}, but the batches now "
+        f"are {shapes}; "
+        "resume with the batch size the checkpoint was written with, or "
+        "use a new checkpoint directory."
+      )
     if (meta["use_async_emb"], meta["exact"]) != (tr.config.use_async_emb, tr.config.exact):
       raise CheckpointMismatchError(
-          f"{where} was written by the "
-          f"use_async_emb={meta['use_async_emb']}, exact={meta['exact']} "
-          "pipeline; restore it with the same TrainConfig.")
+        f"{where} was written by the "
+        f"use_async_emb={meta['use_async_emb']}, exact={meta['exact']} "
+        "pipeline; restore it with the same TrainConfig."
+      )

@@ -19,7 +19,8 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -55,9 +56,11 @@ def check_writable(directory: str) -> str:
       os.fsync(f.fileno())
   except OSError as e:
     raise CheckpointDirError(
-        e.errno, f"checkpoint directory {path!r} is not writable "
-        f"({e.strerror or e}); pass a --checkpoint_dir this process can "
-        "create and write files in, or fix its permissions.") from e
+      e.errno,
+      f"checkpoint directory {path!r} is not writable "
+      f"({e.strerror or e}); pass a --checkpoint_dir this process can "
+      "create and write files in, or fix its permissions.",
+    ) from e
   return path
 
 
@@ -67,6 +70,7 @@ def _all_processes(ok: bool) -> bool:
   if jax.process_count() == 1:
     return ok
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
   return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
 
 
@@ -107,16 +111,19 @@ class CheckpointDir:
     CheckpointDirError: a writable directory that cannot be written.
   """
 
-  def __init__(self, directory: str, *, max_to_keep: int = 3,
-               writable: bool = True):
-    self.path = (check_writable(directory) if writable
-                 else os.path.abspath(directory))
+  def __init__(self, directory: str, *, max_to_keep: int = 3, writable: bool = True):
+    self.path = check_writable(directory) if writable else os.path.abspath(directory)
     self.writable = writable
     self.manager = ocp.CheckpointManager(
-        self.path, handler_registry=_registry(),
-        options=ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, create=writable, read_only=not writable,
-            enable_async_checkpointing=False))
+      self.path,
+      handler_registry=_registry(),
+      options=ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep,
+        create=writable,
+        read_only=not writable,
+        enable_async_checkpointing=False,
+      ),
+    )
 
   def steps(self) -> list[int]:
     """The steps present, newest first."""
@@ -131,14 +138,18 @@ class CheckpointDir:
     """
     meta = integrity.seal({**meta, "checksums": integrity.checksums(state)})
     try:
-      self.manager.save(step, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+      self.manager.save(
+        step,
+        args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+      )
       self.manager.wait_until_finished()
     except OSError as e:
       raise CheckpointDirError(
-          e.errno, f"writing checkpoint step {step} in {self.path!r} failed "
-          f"({e.strerror or e}); free space or fix the permissions, then "
-          "resume from the last step written.") from e
+        e.errno,
+        f"writing checkpoint step {step} in {self.path!r} failed "
+        f"({e.strerror or e}); free space or fix the permissions, then "
+        "resume from the last step written.",
+      ) from e
 
   def read_meta(self, step: int) -> dict:
     """The metadata of `step`, its seal checked.
@@ -146,14 +157,21 @@ class CheckpointDir:
     Raises:
       StepUnreadable: it cannot be read, or does not match its digest.
     """
-    meta = _attempt("reading its metadata", lambda: self.manager.restore(
-        step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+    meta = _attempt(
+      "reading its metadata",
+      lambda: self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
+        "meta"
+      ],
+    )
     if not isinstance(meta, dict):
       raise StepUnreadable("its metadata is not a JSON object")
     if "digest" not in meta and "checksums" not in meta:
-      log.warning("checkpoint step %d in %s has no checksums (written before "
-                  "pallas_emb verified checkpoints); restoring it unverified.",
-                  step, self.path)
+      log.warning(
+        "checkpoint step %d in %s has no checksums (written before "
+        "pallas_emb verified checkpoints); restoring it unverified.",
+        step,
+        self.path,
+      )
       return meta
     problem = integrity.seal_problem(meta)
     if problem:
@@ -168,9 +186,12 @@ class CheckpointDir:
       StepUnreadable: a file cannot be read or decoded, or an array differs
         from the one saved.
     """
-    state = _attempt("reading its arrays", lambda: self.manager.restore(
-        step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target)))["state"])
+    state = _attempt(
+      "reading its arrays",
+      lambda: self.manager.restore(
+        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
+      )["state"],
+    )
     if "checksums" in meta:
       problems = integrity.mismatches(meta["checksums"], state)
       if problems:
@@ -188,8 +209,9 @@ class CheckpointDir:
       StepUnreadable: why it is not intact.
     """
     meta = self.read_meta(step)
-    saved = _attempt("reading its array metadata",
-                     lambda: self.manager.item_metadata(step)["state"])
+    saved = _attempt(
+      "reading its array metadata", lambda: self.manager.item_metadata(step)["state"]
+    )
     if saved is None:
       raise StepUnreadable("its array metadata is missing")
     # np.zeros maps zero pages lazily: no table-sized memory until read.
@@ -213,6 +235,7 @@ class CheckpointDir:
       os.rename(old, new)
     if jax.process_count() > 1:
       from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
       multihost_utils.sync_global_devices(f"pallas_emb quarantine {step}")
     self.manager.reload()
     return new

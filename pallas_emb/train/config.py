@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from pallas_emb import async_emb
 from pallas_emb.errors import ConfigError
@@ -29,13 +30,13 @@ class TrainConfig:
   def __post_init__(self):
     for field in ("use_async_emb", "exact"):
       if not isinstance(getattr(self, field), bool):
-        raise ConfigError(f"TrainConfig.{field} must be a bool, got "
-                          f"{getattr(self, field)!r}.")
+        raise ConfigError(f"TrainConfig.{field} must be a bool, got {getattr(self, field)!r}.")
     if self.exact and not self.use_async_emb:
       raise ConfigError(
-          "TrainConfig(exact=True) selects the unstaled async pipeline and "
-          "needs use_async_emb=True; the synchronous update "
-          "(use_async_emb=False) is exact already.")
+        "TrainConfig(exact=True) selects the unstaled async pipeline and "
+        "needs use_async_emb=True; the synchronous update "
+        "(use_async_emb=False) is exact already."
+      )
 
 
 def _optimizers(emb_optimizer) -> Iterable[Any]:
@@ -66,12 +67,12 @@ def validate_config(config: TrainConfig, emb_optimizer) -> None:
     return
   for opt in _optimizers(emb_optimizer):
     if not async_emb.supports_async_emb(opt):
-      capable = ", ".join(
-          c.__name__ for c in async_emb.registered_async_emb_optimizers())
+      capable = ", ".join(c.__name__ for c in async_emb.registered_async_emb_optimizers())
       raise ConfigError(
-          f"{async_emb.no_fused_update_message(opt)} "
-          f"(got {opt!r}). Use an optimizer that implements it: {capable} "
-          "(AsyncEmbAdam = LazyAdam), or any class that implements "
-          "gradient_update_start and gradient_update_done; or set "
-          "TrainConfig(use_async_emb=False) to train with the synchronous "
-          "sparse update, which supports every embedding optimizer.")
+        f"{async_emb.no_fused_update_message(opt)} "
+        f"(got {opt!r}). Use an optimizer that implements it: {capable} "
+        "(AsyncEmbAdam = LazyAdam), or any class that implements "
+        "gradient_update_start and gradient_update_done; or set "
+        "TrainConfig(use_async_emb=False) to train with the synchronous "
+        "sparse update, which supports every embedding optimizer."
+      )

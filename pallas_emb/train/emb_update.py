@@ -7,7 +7,7 @@ functions, so the two train bit for bit alike.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +19,14 @@ from pallas_emb.ids import int32_ids
 from pallas_emb.state import TableState
 
 # What a step reports of each table's update, besides norm, applied, skipped.
-COUNTS = ("unique_ids", "invalid_ids", "overflow_ids", "max_unique_per_shard",
-          "max_ids_per_route", "max_rows_per_owner")
+COUNTS = (
+  "unique_ids",
+  "invalid_ids",
+  "overflow_ids",
+  "max_unique_per_shard",
+  "max_ids_per_route",
+  "max_rows_per_owner",
+)
 
 
 def step_batches(mesh, contexts, batch, next_batch):
@@ -37,9 +43,10 @@ def step_batches(mesh, contexts, batch, next_batch):
       validate.check_placement(b["ids"], mesh)
   if contexts and next_batch is None:
     raise InputError(
-        "the async and exact pipelines need next_batch: step t starts the "
-        "lookup of batch t+1; pass the next batch (any batch of the same "
-        "shapes at the last step, then flush).")
+      "the async and exact pipelines need next_batch: step t starts the "
+      "lookup of batch t+1; pass the next batch (any batch of the same "
+      "shapes at the last step, then flush)."
+    )
   return int32_batch(batch), int32_batch(next_batch)
 
 
@@ -56,22 +63,21 @@ def table_metrics(m: Mapping[str, jax.Array], pending, norm, valid) -> dict:
   # Skipped: a pending update with rows that was not applied (non-finite
   # norm). An update without rows is nothing to apply, not a skip.
   skipped = pending & jnp.logical_not(valid) & (m["unique_ids"] > 0)
-  return {"grad_norm": norm, "applied": valid, "skipped": skipped,
-          **{k: m[k] for k in COUNTS}}
+  return {"grad_norm": norm, "applied": valid, "skipped": skipped, **{k: m[k] for k in COUNTS}}
 
 
 def sync_metrics(m) -> dict:
   """`table_metrics` of every table of a synchronous `apply_gradients`."""
-  return {k: table_metrics(v._asdict(), jnp.asarray(True), v.grad_norm,
-                           v.applied)
-          for k, v in m.items()}
+  return {
+    k: table_metrics(v._asdict(), jnp.asarray(True), v.grad_norm, v.applied) for k, v in m.items()
+  }
 
 
 def start_update(ctx, update, table_state: TableState, gate=None):
   """Starts `update` on one table -> (TableState, the update's metrics)."""
   _, table, opt_state, m = async_emb.gradient_update_start(
-      ctx, update, table_state.table,
-      EmbOptState(table_state.slots, table_state.step), gate)
+    ctx, update, table_state.table, EmbOptState(table_state.slots, table_state.step), gate
+  )
   return TableState(table, opt_state.slots, opt_state.step), m
 
 
@@ -79,8 +85,7 @@ def collect_update(ctx, tables, update, started, next_ids, gate):
   """Collects the started update of `ctx`'s table, then starts the lookup of
   the next batch's ids on the updated table -> (metrics, lookup)."""
   norm, valid, pin = async_emb.gradient_update_done(ctx, gate=gate)
-  lookup = async_emb.lookup_start(ctx, tables[ctx.name].table,
-                                  ctx.table_inputs(next_ids), gate=pin)
+  lookup = async_emb.lookup_start(ctx, tables[ctx.name].table, ctx.table_inputs(next_ids), gate=pin)
   return table_metrics(started, update.pending, norm, valid), lookup
 
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +60,7 @@ def host_checksum(x) -> str:
   words = _host_words(np.asarray(x))
   s1 = s2 = 0
   for start in range(0, words.size, _HOST_CHUNK):
-    w = words[start:start + _HOST_CHUNK].astype(np.uint64)
+    w = words[start : start + _HOST_CHUNK].astype(np.uint64)
     odd = 2 * np.arange(start, start + w.size, dtype=np.uint64) + 1
     # uint64 arithmetic wraps modulo 2**64, which keeps it exact mod 2**32.
     s1 += int(w.sum())
@@ -85,12 +86,10 @@ def _device_sums(x: jax.Array) -> jax.Array:
   index = jnp.zeros(w.shape, jnp.uint32)
   stride = 1
   for d in reversed(range(w.ndim)):
-    index += (jax.lax.broadcasted_iota(jnp.uint32, w.shape, d)
-              * jnp.uint32(stride & _MASK))
+    index += jax.lax.broadcasted_iota(jnp.uint32, w.shape, d) * jnp.uint32(stride & _MASK)
     stride *= w.shape[d]
   odd = 2 * index + 1
-  return jnp.stack([jnp.sum(w, dtype=jnp.uint32),
-                    jnp.sum(w * odd, dtype=jnp.uint32)])
+  return jnp.stack([jnp.sum(w, dtype=jnp.uint32), jnp.sum(w * odd, dtype=jnp.uint32)])
 
 
 @jax.jit
@@ -126,9 +125,11 @@ def mismatches(saved: Mapping[str, str], tree: Any) -> list[str]:
   got = checksums(tree)
   problems = [f"array {k!r} is missing" for k in sorted(set(saved) - set(got))]
   problems += [f"array {k!r} was not saved" for k in sorted(set(got) - set(saved))]
-  problems += [f"array {k!r} reads back with checksum {got[k]}, but "
-               f"{saved[k]} was saved" for k in sorted(saved)
-               if k in got and got[k] != saved[k]]
+  problems += [
+    f"array {k!r} reads back with checksum {got[k]}, but {saved[k]} was saved"
+    for k in sorted(saved)
+    if k in got and got[k] != saved[k]
+  ]
   return problems
 
 

@@ -26,15 +26,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Mapping, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from pallas_emb import async_emb
-from pallas_emb.async_emb import (
-    AsyncEmbContextHandle, AsyncEmbGradientUpdate, EmbLookup)
+from pallas_emb.async_emb import AsyncEmbContextHandle, AsyncEmbGradientUpdate, EmbLookup
 from pallas_emb.embedding import ShardedEmbedding
 from pallas_emb.state import TableState
 from pallas_emb.train import emb_update
@@ -101,13 +101,14 @@ class Trainer:
     lookups, pending = {}, {}
     for name, ctx in self.contexts:
       lookups[name] = async_emb.lookup_start(
-          ctx, tables[name].table, ctx.table_inputs(batch["ids"]))
+        ctx, tables[name].table, ctx.table_inputs(batch["ids"])
+      )
       pending[name] = async_emb.empty_gradient_update(ctx)
     # Replicated on the mesh, as the step returns them: otherwise the second
     # step would see new input shardings and compile again.
     params, opt_state, step = jax.device_put(
-        (params, self.dense_tx.init(params), jnp.zeros((), jnp.int32)),
-        self.emb.sharding(rows=False))
+      (params, self.dense_tx.init(params), jnp.zeros((), jnp.int32)), self.emb.sharding(rows=False)
+    )
     return TrainState(params, opt_state, dict(tables), pending, lookups, step)
 
   def step(self, state: TrainState, batch, next_batch=None):
@@ -127,8 +128,7 @@ class Trainer:
       "max_rows_per_owner"} (see `TableMetrics`; for async, of the update
       applied in this step, i.e. of step t-1's batch).
     """
-    batch, next_batch = emb_update.step_batches(self.emb.mesh, self.contexts,
-                                                batch, next_batch)
+    batch, next_batch = emb_update.step_batches(self.emb.mesh, self.contexts, batch, next_batch)
     return _jit_step(self, state, batch, next_batch)
 
   def flush(self, state: TrainState):
@@ -140,9 +140,13 @@ class Trainer:
     return _jit_evaluate(self, state, emb_update.int32_batch(batch))
 
 
-def make_trainer(emb: ShardedEmbedding, loss_fn: LossFn,
-                 dense_tx: optax.GradientTransformation, config: TrainConfig,
-                 example_batch) -> Trainer:
+def make_trainer(
+  emb: ShardedEmbedding,
+  loss_fn: LossFn,
+  dense_tx: optax.GradientTransformation,
+  config: TrainConfig,
+  example_batch,
+) -> Trainer:
   """Validates the config, then builds the trainer for batches like
   `example_batch`.
 
@@ -158,8 +162,9 @@ def make_trainer(emb: ShardedEmbedding, loss_fn: LossFn,
 
 
 def _dense_step(tr: Trainer, params, opt_state, acts, batch):
-  (loss, aux), (g_params, g_acts) = jax.value_and_grad(
-      tr.loss_fn, argnums=(0, 1), has_aux=True)(params, acts, batch)
+  (loss, aux), (g_params, g_acts) = jax.value_and_grad(tr.loss_fn, argnums=(0, 1), has_aux=True)(
+    params, acts, batch
+  )
   updates, opt_state = tr.dense_tx.update(g_params, opt_state, params)
   return optax.apply_updates(params, updates), opt_state, loss, aux, g_acts
 
@@ -168,13 +173,13 @@ def _sync_step(tr: Trainer, state: TrainState, batch, next_batch):
   """Lookup, dense step and sparse update, in order (any optimizer)."""
   del next_batch
   acts, res = tr.emb.lookup(state.tables, batch["ids"])
-  params, opt_state, loss, aux, g_acts = _dense_step(
-      tr, state.params, state.opt_state, acts, batch)
+  params, opt_state, loss, aux, g_acts = _dense_step(tr, state.params, state.opt_state, acts, batch)
   tables, m = tr.emb.apply_gradients(state.tables, res, g_acts)
   emb_metrics = emb_update.sync_metrics(m)
-  return (state._replace(params=params, opt_state=opt_state, tables=tables,
-                         step=state.step + 1),
-          {"loss": loss, "aux": aux, "emb": emb_metrics})
+  return (
+    state._replace(params=params, opt_state=opt_state, tables=tables, step=state.step + 1),
+    {"loss": loss, "aux": aux, "emb": emb_metrics},
+  )
 
 
 def _async_step(tr: Trainer, state: TrainState, batch, next_batch):
@@ -186,19 +191,19 @@ def _async_step(tr: Trainer, state: TrainState, batch, next_batch):
     acts.update(async_emb.lookup_done(ctx, state.lookups[name]))
   # Step t-1's gradient: no data dependence on this step's forward.
   for name, ctx in tr.contexts:
-    tables[name], started[name] = emb_update.start_update(
-        ctx, state.pending[name], tables[name])
-  params, opt_state, loss, aux, g_acts = _dense_step(
-      tr, state.params, state.opt_state, acts, batch)
+    tables[name], started[name] = emb_update.start_update(ctx, state.pending[name], tables[name])
+  params, opt_state, loss, aux, g_acts = _dense_step(tr, state.params, state.opt_state, acts, batch)
   for name, ctx in tr.contexts:
     pending[name] = async_emb.make_gradient_update(
-        ctx, state.lookups[name], ctx.table_inputs(g_acts))
+      ctx, state.lookups[name], ctx.table_inputs(g_acts)
+    )
     emb_metrics[name], lookups[name] = emb_update.collect_update(
-        ctx, tables, state.pending[name], started[name], next_batch["ids"],
-        loss)
-  return (TrainState(params, opt_state, tables, pending, lookups,
-                     state.step + 1),
-          {"loss": loss, "aux": aux, "emb": tr.emb.metrics_by_table(emb_metrics)})
+      ctx, tables, state.pending[name], started[name], next_batch["ids"], loss
+    )
+  return (
+    TrainState(params, opt_state, tables, pending, lookups, state.step + 1),
+    {"loss": loss, "aux": aux, "emb": tr.emb.metrics_by_table(emb_metrics)},
+  )
 
 
 def _exact_step(tr: Trainer, state: TrainState, batch, next_batch):
@@ -208,17 +213,17 @@ def _exact_step(tr: Trainer, state: TrainState, batch, next_batch):
   acts = {}
   for name, ctx in tr.contexts:
     acts.update(async_emb.lookup_done(ctx, state.lookups[name]))
-  params, opt_state, loss, aux, g_acts = _dense_step(
-      tr, state.params, state.opt_state, acts, batch)
+  params, opt_state, loss, aux, g_acts = _dense_step(tr, state.params, state.opt_state, acts, batch)
   for name, ctx in tr.contexts:
-    update = async_emb.make_gradient_update(
-        ctx, state.lookups[name], ctx.table_inputs(g_acts))
+    update = async_emb.make_gradient_update(ctx, state.lookups[name], ctx.table_inputs(g_acts))
     tables[name], started = emb_update.start_update(ctx, update, tables[name], loss)
     emb_metrics[name], lookups[name] = emb_update.collect_update(
-        ctx, tables, update, started, next_batch["ids"], loss)
-  return (TrainState(params, opt_state, tables, state.pending, lookups,
-                     state.step + 1),
-          {"loss": loss, "aux": aux, "emb": tr.emb.metrics_by_table(emb_metrics)})
+      ctx, tables, update, started, next_batch["ids"], loss
+    )
+  return (
+    TrainState(params, opt_state, tables, state.pending, lookups, state.step + 1),
+    {"loss": loss, "aux": aux, "emb": tr.emb.metrics_by_table(emb_metrics)},
+  )
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
@@ -231,10 +236,13 @@ def _jit_flush(tr: Trainer, state: TrainState):
   tables, pending, emb_metrics = dict(state.tables), dict(state.pending), {}
   for name, ctx in tr.contexts:
     tables[name], emb_metrics[name] = emb_update.flush_update(
-        ctx, tables[name], state.pending[name])
+      ctx, tables[name], state.pending[name]
+    )
     pending[name] = async_emb.empty_gradient_update(ctx)
-  return (state._replace(tables=tables, pending=pending),
-          {"emb": tr.emb.metrics_by_table(emb_metrics)})
+  return (
+    state._replace(tables=tables, pending=pending),
+    {"emb": tr.emb.metrics_by_table(emb_metrics)},
+  )
 
 
 @functools.partial(jax.jit, static_argnums=0)

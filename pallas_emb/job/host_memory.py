@@ -58,9 +58,11 @@ def keep_freed_memory() -> bool:
   # No mmap'd blocks, trim the heap top only above 1 GiB free, and one arena
   # for every thread. Called before XLA's threads first allocate, the last
   # keeps their temporaries in the heap the first two tune.
-  return (bool(mallopt(_M_MMAP_MAX, 0))
-          and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
-          and bool(mallopt(_M_ARENA_MAX, 1)))
+  return (
+    bool(mallopt(_M_MMAP_MAX, 0))
+    and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+    and bool(mallopt(_M_ARENA_MAX, 1))
+  )
 
 
 def release_free_memory() -> bool:
@@ -110,6 +112,7 @@ def use_huge_pages(tree, min_bytes: int = 64 << 20) -> int:
     The bytes advised.
   """
   import jax  # pylint: disable=g-import-not-at-top
+
   total = 0
   for leaf in jax.tree.leaves(tree):
     for shard in getattr(leaf, "addressable_shards", ()):

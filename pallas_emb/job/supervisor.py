@@ -84,7 +84,7 @@ def lost_processes(log: str) -> tuple[list[int], str] | None:
   ids = []
   if at >= 0:
     # "...unhealthy (stopped sending heartbeats):\n1\n2\nThe tasks have..."
-    for line in log[log.find(":", at) + 1:].lstrip("\n").splitlines():
+    for line in log[log.find(":", at) + 1 :].lstrip("\n").splitlines():
       match = re.fullmatch(r"\s*(?:\S*task:)?(\d+)\s*", line)
       if not match:
         break
@@ -97,33 +97,44 @@ def _die_with_parent() -> None:
   one process of the job never leaves half of it running."""
   if sys.platform.startswith("linux"):
     import ctypes  # pylint: disable=g-import-not-at-top
+
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _report(argv: list[str], lost: list[int], cause: str) -> str:
   num = _int_flag(argv, "num_processes", "JAX_NUM_PROCESSES")
   me = _int_flag(argv, "process_id", "JAX_PROCESS_ID")
-  who = (("process " if len(lost) == 1 else "processes ")
-         + ", ".join(map(str, lost)) if lost else "a process")
+  who = (
+    ("process " if len(lost) == 1 else "processes ") + ", ".join(map(str, lost))
+    if lost
+    else "a process"
+  )
   directory = _flag(argv, "checkpoint_dir")
   step = newest_checkpoint(directory)
   if step is not None:
-    resume = (f"Last good checkpoint: step {step} in "
-              f"{os.path.abspath(directory)}; restart every process with "
-              "--resume to continue from it.")
+    resume = (
+      f"Last good checkpoint: step {step} in "
+      f"{os.path.abspath(directory)}; restart every process with "
+      "--resume to continue from it."
+    )
   else:
-    resume = ("No checkpoint was written yet: restart every process (pass "
-              "--checkpoint_dir and --checkpoint_every to resume after a loss).")
-  return (f"pallas_emb: lost {who} of {num} ({cause}); process {me} stops "
-          f"too. {resume}")
+    resume = (
+      "No checkpoint was written yet: restart every process (pass "
+      "--checkpoint_dir and --checkpoint_every to resume after a loss)."
+    )
+  return f"pallas_emb: lost {who} of {num} ({cause}); process {me} stops too. {resume}"
 
 
 def supervise(argv: list[str]) -> int:
   """Runs `python -m pallas_emb argv` as the worker -> the exit status."""
   worker = subprocess.Popen(
-      [sys.executable, "-m", "pallas_emb", *argv],
-      env={**os.environ, _WORKER_ENV: "1"}, stderr=subprocess.PIPE,
-      text=True, errors="replace", preexec_fn=_die_with_parent)
+    [sys.executable, "-m", "pallas_emb", *argv],
+    env={**os.environ, _WORKER_ENV: "1"},
+    stderr=subprocess.PIPE,
+    text=True,
+    errors="replace",
+    preexec_fn=_die_with_parent,
+  )
   for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
     signal.signal(sig, lambda s, _: worker.send_signal(s))
   tail = collections.deque(maxlen=400)

@@ -1,6 +1,6 @@
 """README's benchmark section, written from a benchmark run's JSON.
 
-    python -m pallas_emb.bench_report docs/benchmarks/w1w2.json --readme README.md
+    python -m pallas_emb.bench.report docs/benchmarks/w1w2.json --readme README.md
 
 Replaces what stands between the markers `<!-- bench:results -->` and
 `<!-- /bench:results -->` in the README with the run's table (one row per
@@ -16,8 +16,12 @@ import json
 import re
 
 BEGIN, END = "<!-- bench:results -->", "<!-- /bench:results -->"
-NAMES = {"fused": "fused", "fused_xla": "fused, XLA path", "dense": "dense",
-         "fbgemm": "FBGEMM backward"}
+NAMES = {
+  "fused": "fused",
+  "fused_xla": "fused, XLA path",
+  "dense": "dense",
+  "fbgemm": "FBGEMM backward",
+}
 
 
 def _ms(x: float) -> str:
@@ -33,8 +37,10 @@ def _load(machine: dict) -> str:
   and end, and the copy bandwidth measured, when recorded."""
   text = ""
   if "load_avg_at_start" in machine:
-    text += (f"; load average {machine['load_avg_at_start'][0]:.1f} at the "
-             f"start, {machine['load_avg_at_end'][0]:.1f} at the end")
+    text += (
+      f"; load average {machine['load_avg_at_start'][0]:.1f} at the "
+      f"start, {machine['load_avg_at_end'][0]:.1f} at the end"
+    )
   if "copy_bandwidth_gbps" in machine:
     text += f"; a 1 GiB copy ran at {machine['copy_bandwidth_gbps']:.1f} GB/s"
   return text
@@ -47,31 +53,37 @@ def render(results: dict) -> str:
   machine = results["machine"]
   steps = ws[0]["methods"][methods[0]]["steps"]
   lines = [
-      f"Results on {machine.get('cpu', 'CPU')} ({machine['cpus']} cores, "
-      f"median of {steps} steps; D = {ws[0]['dim']}, float32; fused ran on "
-      f"backend \"{ws[0]['methods'].get('fused', {}).get('backend', '?')}\""
-      + _load(machine) + "):",
-      "",
-      "| workload | unique ids | " + " | ".join(NAMES[m] for m in methods)
-      + " | memory floor | fused / FBGEMM | dense / fused |",
-      "| --- | ---: | " + " | ".join("---:" for _ in methods) + " | ---: | ---: | ---: |"]
+    f"Results on {machine.get('cpu', 'CPU')} ({machine['cpus']} cores, "
+    f"median of {steps} steps; D = {ws[0]['dim']}, float32; fused ran on "
+    f'backend "{ws[0]["methods"].get("fused", {}).get("backend", "?")}"' + _load(machine) + "):",
+    "",
+    "| workload | unique ids | "
+    + " | ".join(NAMES[m] for m in methods)
+    + " | memory floor | fused / FBGEMM | dense / fused |",
+    "| --- | ---: | " + " | ".join("---:" for _ in methods) + " | ---: | ---: | ---: |",
+  ]
   for i, w in enumerate(ws):
     med = {m: w["methods"][m]["median_ms"] for m in methods if m in w["methods"]}
-    ratio = lambda a, b: f"{med[a] / med[b]:.2f}" if a in med and b in med else "–"
+    ratio = lambda a, b, med=med: f"{med[a] / med[b]:.2f}" if a in med and b in med else "–"
     label = f"W{i + 1}: " if w["ids"] == 65536 and len(ws) <= 2 else ""
     lines.append(
-        f"| {label}V = {w['vocab']:,}, N = {w['ids']:,} | {w['unique']:,} | "
-        + " | ".join(_ms(med[m]) if m in med else "–" for m in methods)
-        + f" | {_ms(w['floor_ms'])} | {ratio('fused', 'fbgemm')} | "
-        + (_times(med["dense"] / med["fused"]) if "dense" in med and "fused" in med else "–")
-        + " |")
+      f"| {label}V = {w['vocab']:,}, N = {w['ids']:,} | {w['unique']:,} | "
+      + " | ".join(_ms(med[m]) if m in med else "–" for m in methods)
+      + f" | {_ms(w['floor_ms'])} | {ratio('fused', 'fbgemm')} | "
+      + (_times(med["dense"] / med["fused"]) if "dense" in med and "fused" in med else "–")
+      + " |"
+    )
   for name, prof in ws[0].get("profile", {}).items():
     stages = prof["stages_ms"]
-    lines += ["", f"Where the first workload's {NAMES.get(name, name)} step "
-              f"went (backend \"{prof['backend']}\", `bench_stages`; median ms):",
-              "", "| " + " | ".join(stages) + " |",
-              "| " + " | ".join("---:" for _ in stages) + " |",
-              "| " + " | ".join(f"{v:.2f}" for v in stages.values()) + " |"]
+    lines += [
+      "",
+      f"Where the first workload's {NAMES.get(name, name)} step "
+      f'went (backend "{prof["backend"]}", `pallas_emb.bench.stages`; median ms):',
+      "",
+      "| " + " | ".join(stages) + " |",
+      "| " + " | ".join("---:" for _ in stages) + " |",
+      "| " + " | ".join(f"{v:.2f}" for v in stages.values()) + " |",
+    ]
   return "\n".join(lines)
 
 
@@ -79,16 +91,18 @@ def update_readme(readme: str, results: dict) -> str:
   """`readme` with the text between the markers replaced by `render`."""
   pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
   if not pattern.search(readme):
-    raise ValueError(f"the README has no {BEGIN} ... {END} section; add the "
-                     "two markers where the results go.")
+    raise ValueError(
+      f"the README has no {BEGIN} ... {END} section; add the two markers where the results go."
+    )
   return pattern.sub(lambda _: f"{BEGIN}\n{render(results)}\n{END}", readme)
 
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("json", help="a `python -m pallas_emb.bench` result")
-  parser.add_argument("--readme", help="rewrite this README's results section "
-                      "(default: print the section)")
+  parser.add_argument(
+    "--readme", help="rewrite this README's results section (default: print the section)"
+  )
   args = parser.parse_args(argv)
   with open(args.json) as f:
     results = json.load(f)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_emb as pe
-from pallas_emb import host_memory
+from pallas_emb.job import host_memory
 
 LEARNING_RATE, EPS = 0.01, 1e-8
 METHODS = ("fused", "fused_xla", "dense", "fbgemm")
@@ -34,14 +34,17 @@ class SharedTable:
   """One (V, D) table and accumulator in JAX, and one `ShardedEmbedding` per
   backend over it (they differ only in how the update runs)."""
 
-  def __init__(self, vocab: int, dim: int, capacity: int, *,
-               huge_pages: bool = True):
+  def __init__(self, vocab: int, dim: int, capacity: int, *, huge_pages: bool = True):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
-    spec = pe.TableSpec("t", vocab, dim, dtype=jnp.float32,
-                        optimizer=pe.RowWiseAdagrad(LEARNING_RATE, eps=EPS,
-                                                    half_life_steps=None),
-                        initializer=jax.nn.initializers.zeros,
-                        unique_capacity=capacity)
+    spec = pe.TableSpec(
+      "t",
+      vocab,
+      dim,
+      dtype=jnp.float32,
+      optimizer=pe.RowWiseAdagrad(LEARNING_RATE, eps=EPS, half_life_steps=None),
+      initializer=jax.nn.initializers.zeros,
+      unique_capacity=capacity,
+    )
     self._args = ([spec], [pe.FeatureSpec("f", "t", "sum")], mesh, "x")
     self._embs = {}
     self.state = self.emb(None).init(jax.random.key(0))
@@ -58,8 +61,9 @@ class SharedTable:
 class Fused:
   """`apply_gradients(plan(ids), grads)`, jitted as one step, donated."""
 
-  def __init__(self, shared: SharedTable, ids: np.ndarray, grads: jax.Array,
-               backend: str | None = None):
+  def __init__(
+    self, shared: SharedTable, ids: np.ndarray, grads: jax.Array, backend: str | None = None
+  ):
     self.name = "fused" if backend is None else f"fused_{backend}"
     self.shared, self.emb = shared, shared.emb(backend)
     self.backend = self.emb.backend
@@ -68,9 +72,9 @@ class Fused:
     self.grads = grads
     self.plan = jax.jit(lambda ids: emb.plan({"f": ids}))
     self._step = jax.jit(
-        lambda state, ids, g: emb.apply_gradients(state, emb.plan({"f": ids}),
-                                                  {"f": g})[0],
-        donate_argnums=0)
+      lambda state, ids, g: emb.apply_gradients(state, emb.plan({"f": ids}), {"f": g})[0],
+      donate_argnums=0,
+    )
 
   def step(self):
     self.shared.state = self._step(self.shared.state, self.ids, self.grads)
@@ -89,10 +93,8 @@ class Dense:
       _, vjp = jax.vjp(lambda t: t[ids], table)
       (dense_grad,) = vjp(g)
       # The accumulator as (rows, 1), whatever its stored shape.
-      rows = acc.reshape(-1, 1) + jnp.mean(dense_grad * dense_grad, axis=1,
-                                           keepdims=True)
-      return (table - LEARNING_RATE * dense_grad / (jnp.sqrt(rows) + EPS),
-              rows.reshape(acc.shape))
+      rows = acc.reshape(-1, 1) + jnp.mean(dense_grad * dense_grad, axis=1, keepdims=True)
+      return (table - LEARNING_RATE * dense_grad / (jnp.sqrt(rows) + EPS), rows.reshape(acc.shape))
 
     self._step = jax.jit(step, donate_argnums=(0, 1))
 
@@ -107,26 +109,37 @@ class Dense:
 class FbgemmBackward:
   name = "fbgemm"
 
-  def __init__(self, vocab: int, dim: int, ids: np.ndarray, grads: np.ndarray,
-               *, huge_pages: bool = True):
+  def __init__(
+    self, vocab: int, dim: int, ids: np.ndarray, grads: np.ndarray, *, huge_pages: bool = True
+  ):
     import torch  # pylint: disable=g-import-not-at-top
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (  # pylint: disable=g-import-not-at-top
-        EmbeddingLocation, PoolingMode)
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode  # pylint: disable=g-import-not-at-top
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # pylint: disable=g-import-not-at-top
-        ComputeDevice, OptimType, SplitTableBatchedEmbeddingBagsCodegen)
+      ComputeDevice,
+      OptimType,
+      SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
     self.torch = torch
     self.module = SplitTableBatchedEmbeddingBagsCodegen(
-        [(vocab, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
-        optimizer=OptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=LEARNING_RATE,
-        eps=EPS, pooling_mode=PoolingMode.SUM)
+      [(vocab, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+      optimizer=OptimType.EXACT_ROWWISE_ADAGRAD,
+      learning_rate=LEARNING_RATE,
+      eps=EPS,
+      pooling_mode=PoolingMode.SUM,
+    )
     self.ids = torch.from_numpy(ids.astype(np.int64))
     self.offsets = torch.arange(len(ids) + 1, dtype=torch.int64)
     self.grads = torch.from_numpy(np.asarray(grads))
     # The same treatment as the JAX table: its rows on huge pages too.
-    self.huge_page_bytes = sum(
+    self.huge_page_bytes = (
+      sum(
         host_memory.advise_huge_pages(t.data_ptr(), t.numel() * t.element_size())
         for t in (self.module.weights_host, self.module.momentum1_host)
-    ) if huge_pages else 0
+      )
+      if huge_pages
+      else 0
+    )
 
   def step(self) -> float:
     out = self.module(self.ids, self.offsets)  # the forward is not timed
@@ -138,8 +151,8 @@ class FbgemmBackward:
 def fbgemm_available() -> str | None:
   """None if FBGEMM imports, else why not."""
   try:
-    import torch  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
     import fbgemm_gpu  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+    import torch  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
   except Exception as e:  # pylint: disable=broad-except
     return f"{type(e).__name__}: {e}"
   return None

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -46,8 +46,9 @@ def _medians(samples: dict[str, list[float]]) -> dict[str, float]:
   return {k: float(np.median(v[1:])) * 1e3 for k, v in samples.items()}
 
 
-def native_stages(step: Callable[[], object], plan: Callable[[], object],
-                  steps: int) -> dict[str, float]:
+def native_stages(
+  step: Callable[[], object], plan: Callable[[], object], steps: int
+) -> dict[str, float]:
   """Stages of a native step.
 
   Args:
@@ -61,21 +62,22 @@ def native_stages(step: Callable[[], object], plan: Callable[[], object],
       whole = _timed(step)
       phases = native_lib.last_profile()
       dedup = _timed(plan)
-      update = {k: v / 1e3 for k, v in phases.items()
-                if not k.startswith("unique_")}
-      row = {"dedup": dedup,
-             "dedup.native_unique_keys": (phases["unique_sort"]
-                                          + phases["unique_outputs"]) / 1e3,
-             **update,
-             "other": max(whole - dedup - sum(update.values()), 0.0),
-             "step": whole}
+      update = {k: v / 1e3 for k, v in phases.items() if not k.startswith("unique_")}
+      row = {
+        "dedup": dedup,
+        "dedup.native_unique_keys": (phases["unique_sort"] + phases["unique_outputs"]) / 1e3,
+        **update,
+        "other": max(whole - dedup - sum(update.values()), 0.0),
+        "step": whole,
+      }
       for k, v in row.items():
         samples.setdefault(k, []).append(v)
   return _medians(samples)
 
 
-def xla_stages(emb, shared, ids: jax.Array, grads: jax.Array,
-               step: Callable[[], object], steps: int) -> dict[str, float]:
+def xla_stages(
+  emb, shared, ids: jax.Array, grads: jax.Array, step: Callable[[], object], steps: int
+) -> dict[str, float]:
   """Stages of an XLA step of the one-table, one-feature `emb`.
 
   Args:
@@ -101,8 +103,7 @@ def xla_stages(emb, shared, ids: jax.Array, grads: jax.Array,
 
   @jax.jit
   def segment_sum(g, inv):
-    return jax.ops.segment_sum(g, jnp.where(inv < 0, capacity, inv),
-                               num_segments=capacity)
+    return jax.ops.segment_sum(g, jnp.where(inv < 0, capacity, inv), num_segments=capacity)
 
   sums = segment_sum(grads, inverse)
 
@@ -110,8 +111,8 @@ def xla_stages(emb, shared, ids: jax.Array, grads: jax.Array,
   def norm(x):  # the update's overflow-safe norm, less its collectives
     peak = jnp.max(jnp.abs(x), initial=0.0)
     scale = jax.lax.bitcast_convert_type(
-        jax.lax.bitcast_convert_type(peak, jnp.uint32)
-        & jnp.uint32(0x7F800000), jnp.float32)
+      jax.lax.bitcast_convert_type(peak, jnp.uint32) & jnp.uint32(0x7F800000), jnp.float32
+    )
     scale = jnp.where(jnp.isfinite(peak) & (scale > 0), scale, 1.0)
     return scale * jnp.sqrt(jnp.sum((x / scale) ** 2))
 
@@ -121,15 +122,16 @@ def xla_stages(emb, shared, ids: jax.Array, grads: jax.Array,
     take = lambda x: jnp.take(x, idx, axis=0, mode="fill", fill_value=0)
     specs = opt.slot_specs()  # per-row scalars are stored lane-dense
     return packing.unpack_rows(take(table), spec.dtype), {
-        k: take(specs[k].as_rows(v, spec.dim)) for k, v in slots.items()}
+      k: take(specs[k].as_rows(v, spec.dim)) for k, v in slots.items()
+    }
 
   math = jax.jit(lambda r, s, g, st: opt.update_rows(r, s, g, opt.scalars(st)))
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def fused(table, slots, r, g, st):
-    return xla_kernels.fused_update(table, slots, r, g, opt.scalars(st),
-                                    jnp.bool_(True), optimizer=opt,
-                                    dtype=spec.dtype)
+    return xla_kernels.fused_update(
+      table, slots, r, g, opt.scalars(st), jnp.bool_(True), optimizer=opt, dtype=spec.dtype
+    )
 
   def write_back():
     s = shared.state[name]
@@ -139,17 +141,19 @@ def xla_stages(emb, shared, ids: jax.Array, grads: jax.Array,
 
   samples: dict[str, list[float]] = {}
   for _ in range(steps + 1):
-    got = {"step": _timed(step), "dedup": _timed(lambda: plan(ids)),
-           "segment_sum": _timed(lambda: segment_sum(grads, inverse)),
-           "norm": _timed(lambda: norm(sums))}
+    got = {
+      "step": _timed(step),
+      "dedup": _timed(lambda: plan(ids)),
+      "segment_sum": _timed(lambda: segment_sum(grads, inverse)),
+      "norm": _timed(lambda: norm(sums)),
+    }
     s = shared.state[name]
-    got["gather"] = _timed(lambda: gather(s.table, s.slots, rows))
+    got["gather"] = _timed(functools.partial(gather, s.table, s.slots, rows))
     gathered = gather(s.table, s.slots, rows)
-    got["update_rows"] = _timed(lambda: math(*gathered, sums, s.step))
-    del s, gathered
+    got["update_rows"] = _timed(functools.partial(math, *gathered, sums, s.step))
+    del s, gathered  # the write-back donates the table: hold no reference to it
     whole_update = _timed(write_back)
-    got["write_back"] = max(
-        whole_update - got["gather"] - got["update_rows"], 0.0)
+    got["write_back"] = max(whole_update - got["gather"] - got["update_rows"], 0.0)
     known = sum(v for k, v in got.items() if k != "step")
     got["other"] = max(got["step"] - known, 0.0)
     for k, v in got.items():

@@ -12,6 +12,7 @@ from pallas_emb.train import metrics
 def evaluate(trainer, state, feeder: GlobalBatches, max_batches: int = 0) -> dict:
   """AUC and log-loss of the held-out set (every process gets the result)."""
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
   scores, labels, weights = [], [], []
   for k, (batch, host) in enumerate(feeder.eval()):
     if max_batches and k == max_batches:
@@ -22,8 +23,11 @@ def evaluate(trainer, state, feeder: GlobalBatches, max_batches: int = 0) -> dic
     weights.append(host["weight"])
   s, y, w = (np.concatenate(x) for x in (scores, labels, weights))
   keep = w > 0
-  return {"auc": metrics.auc(s[keep], y[keep]), "logloss": metrics.log_loss(s[keep], y[keep]),
-          "examples": int(keep.sum())}
+  return {
+    "auc": metrics.auc(s[keep], y[keep]),
+    "logloss": metrics.log_loss(s[keep], y[keep]),
+    "examples": int(keep.sum()),
+  }
 
 
 def baselines_of(dataset, enabled: bool = True) -> list[dict]:
@@ -31,5 +35,6 @@ def baselines_of(dataset, enabled: bool = True) -> list[dict]:
   if not enabled or not hasattr(dataset, "split_columns"):
     return []
   from pallas_emb import baselines  # pylint: disable=g-import-not-at-top
+
   train, eval_ = (baselines.Columns(*c) for c in dataset.split_columns())
   return baselines.run_baselines(train, eval_, dataset.num_users, dataset.num_items)

@@ -32,8 +32,11 @@ def _sigmoid(z):
 
 
 def _scores(name: str, logits: np.ndarray, label: np.ndarray) -> dict:
-  return {"model": name, "auc": metrics.auc(logits, label),
-          "logloss": metrics.log_loss(logits, label)}
+  return {
+    "model": name,
+    "auc": metrics.auc(logits, label),
+    "logloss": metrics.log_loss(logits, label),
+  }
 
 
 def _adam(grad_fn, params: list[np.ndarray], steps: int, lr: float):
@@ -49,8 +52,9 @@ def _adam(grad_fn, params: list[np.ndarray], steps: int, lr: float):
   return params
 
 
-def _fit_logistic(columns: list[np.ndarray], sizes: list[int], label,
-                  l2: float, steps: int, lr: float) -> list[np.ndarray]:
+def _fit_logistic(
+  columns: list[np.ndarray], sizes: list[int], label, l2: float, steps: int, lr: float
+) -> list[np.ndarray]:
   """Weights [bias, w_0, ...] of logit = bias + sum_k w_k[columns[k]]."""
   n = len(label)
 
@@ -58,8 +62,8 @@ def _fit_logistic(columns: list[np.ndarray], sizes: list[int], label,
     z = params[0][0] + sum(w[c] for w, c in zip(params[1:], columns))
     r = (_sigmoid(z) - label) / n
     return [np.array([r.sum()])] + [
-        np.bincount(c, r, minlength=s) + l2 * w
-        for c, s, w in zip(columns, sizes, params[1:])]
+      np.bincount(c, r, minlength=s) + l2 * w for c, s, w in zip(columns, sizes, params[1:])
+    ]
 
   params = [np.zeros(1)] + [np.zeros(s) for s in sizes]
   return _adam(grads, params, steps, lr)
@@ -84,18 +88,28 @@ def item_popularity(train: Columns, eval_: Columns, num_items: int) -> dict:
   return _scores("item popularity", a * feature(eval_) + b, eval_.label)
 
 
-def logistic_user_item(train: Columns, eval_: Columns, num_users: int,
-                       num_items: int, *, l2: float = 1e-5, steps: int = 300,
-                       lr: float = 0.05) -> dict:
+def logistic_user_item(
+  train: Columns,
+  eval_: Columns,
+  num_users: int,
+  num_items: int,
+  *,
+  l2: float = 1e-5,
+  steps: int = 300,
+  lr: float = 0.05,
+) -> dict:
   """AUC and log-loss of a logistic regression on user and item ids."""
-  bias, wu, wi = _fit_logistic([train.user, train.item], [num_users, num_items],
-                               train.label, l2, steps, lr)
-  return _scores("logistic regression (user, item ids)",
-                 bias[0] + wu[eval_.user] + wi[eval_.item], eval_.label)
+  bias, wu, wi = _fit_logistic(
+    [train.user, train.item], [num_users, num_items], train.label, l2, steps, lr
+  )
+  return _scores(
+    "logistic regression (user, item ids)", bias[0] + wu[eval_.user] + wi[eval_.item], eval_.label
+  )
 
 
-def run_baselines(train: Columns, eval_: Columns, num_users: int,
-                  num_items: int) -> list[dict]:
+def run_baselines(train: Columns, eval_: Columns, num_users: int, num_items: int) -> list[dict]:
   """Both baselines -> [{"model", "auc", "logloss"}, ...]."""
-  return [item_popularity(train, eval_, num_items),
-          logistic_user_item(train, eval_, num_users, num_items)]
+  return [
+    item_popularity(train, eval_, num_items),
+    logistic_user_item(train, eval_, num_users, num_items),
+  ]

@@ -19,14 +19,16 @@ class RunLog:
     tensorboard_dir: where to write TensorBoard event files (None: none).
   """
 
-  def __init__(self, total_steps: int, batch_size: int, counters: dict,
-               tensorboard_dir: str | None = None):
+  def __init__(
+    self, total_steps: int, batch_size: int, counters: dict, tensorboard_dir: str | None = None
+  ):
     self.total_steps, self.batch_size = total_steps, batch_size
     self.counters = {"skipped": 0, "invalid": 0, "overflow": 0, **counters}
     self.steps, self.seconds = 0, 0.0
     self.writer = None
     if tensorboard_dir and jax.process_index() == 0:
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+
       self.writer = SummaryWriter(tensorboard_dir)
 
   def add(self, step: int, m: dict, elapsed: float, timed: bool) -> None:
@@ -54,9 +56,11 @@ class RunLog:
     sps = self.steps / self.seconds if self.seconds else float("nan")
     left = (self.total_steps - step) / sps if self.seconds else float("nan")
     eta = time.strftime("%H:%M:%S", time.gmtime(left)) if left == left else "?"
-    return (f"step {step:6d}/{self.total_steps}  loss {loss:.4f}  {sps:7.2f} steps/s  "
-            f"{(self.rate or float('nan')):9.0f} ex/s  ETA {eta}  emb grad norm {norms}  "
-            f"skipped {self.counters['skipped']}")
+    return (
+      f"step {step:6d}/{self.total_steps}  loss {loss:.4f}  {sps:7.2f} steps/s  "
+      f"{(self.rate or float('nan')):9.0f} ex/s  ETA {eta}  emb grad norm {norms}  "
+      f"skipped {self.counters['skipped']}"
+    )
 
   def eval(self, step: int, metrics: dict) -> None:
     """Writes an evaluation's AUC and log-loss."""

@@ -20,11 +20,12 @@ import optax
 import pallas_emb as pe
 from pallas_emb.data.dlrm import DlrmClickLog
 from pallas_emb.data.feed import GlobalBatches
-from pallas_emb.model import build_ranking
+from pallas_emb.job.model import build_ranking
 
 
-def run_dlrm_stacking(steps: int, num_devices: int, batch_size: int,
-                      max_rows: int, warmup: int = 2) -> dict:
+def run_dlrm_stacking(
+  steps: int, num_devices: int, batch_size: int, max_rows: int, warmup: int = 2
+) -> dict:
   """Median step time of the DLRM-shaped main job (async pipeline) with
   stacking off, on, and on with the tables under 1000 rows replicated,
   interleaved step by step."""
@@ -32,9 +33,14 @@ def run_dlrm_stacking(steps: int, num_devices: int, batch_size: int,
   dataset = DlrmClickLog(max_rows=max_rows)
   runs = {}
   for mode in ("off", "auto", "auto+replicated"):
-    emb, model = build_ranking(dataset, mesh, emb_dim=16, backend="xla",
-                               stacking=mode.split("+")[0],
-                               optimizer=pe.RowWiseAdagrad(0.05, half_life_steps=None))
+    emb, model = build_ranking(
+      dataset,
+      mesh,
+      emb_dim=16,
+      backend="xla",
+      stacking=mode.split("+")[0],
+      optimizer=pe.RowWiseAdagrad(0.05, half_life_steps=None),
+    )
     if mode.endswith("replicated"):
       emb = dataclasses.replace(emb, replicate_below=1000)
     feeder = GlobalBatches(dataset, batch_size, emb.sharding())
@@ -44,21 +50,35 @@ def run_dlrm_stacking(steps: int, num_devices: int, batch_size: int,
     tic = time.perf_counter()
     state, m = tr.step(state, batches[0], batches[1])
     jax.block_until_ready(m["loss"])
-    runs[mode] = {"tr": tr, "state": state, "batches": batches, "times": [],
-                  "first_step_s": time.perf_counter() - tic,
-                  "physical_tables": len(emb.table_names)}
+    runs[mode] = {
+      "tr": tr,
+      "state": state,
+      "batches": batches,
+      "times": [],
+      "first_step_s": time.perf_counter() - tic,
+      "physical_tables": len(emb.table_names),
+    }
   for t in range(1, steps + warmup + 1):
     for run in runs.values():
       tic = time.perf_counter()
-      run["state"], m = run["tr"].step(run["state"], run["batches"][t % 8],
-                                       run["batches"][(t + 1) % 8])
+      run["state"], m = run["tr"].step(
+        run["state"], run["batches"][t % 8], run["batches"][(t + 1) % 8]
+      )
       jax.block_until_ready(m["loss"])
       if t > warmup:
         run["times"].append(time.perf_counter() - tic)
-  return {mode: {"median_step_ms": 1e3 * float(np.median(r["times"])),
-                 "min_step_ms": 1e3 * float(np.min(r["times"])),
-                 "max_step_ms": 1e3 * float(np.max(r["times"])),
-                 "first_step_s": r["first_step_s"], "steps": len(r["times"]),
-                 "physical_tables": r["physical_tables"], "logical_tables": 26,
-                 "devices": num_devices, "batch_size": batch_size, "max_rows": max_rows}
-          for mode, r in runs.items()}
+  return {
+    mode: {
+      "median_step_ms": 1e3 * float(np.median(r["times"])),
+      "min_step_ms": 1e3 * float(np.min(r["times"])),
+      "max_step_ms": 1e3 * float(np.max(r["times"])),
+      "first_step_s": r["first_step_s"],
+      "steps": len(r["times"]),
+      "physical_tables": r["physical_tables"],
+      "logical_tables": 26,
+      "devices": num_devices,
+      "batch_size": batch_size,
+      "max_rows": max_rows,
+    }
+    for mode, r in runs.items()
+  }

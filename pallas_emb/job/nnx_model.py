@@ -1,11 +1,11 @@
-"""The main job's ranking model (`pallas_emb.model`) as NNX modules."""
+"""The main job's ranking model (`pallas_emb.job.model`) as NNX modules."""
 
 from __future__ import annotations
 
-from flax import nnx
 import jax
+from flax import nnx
 
-from pallas_emb.model import RankingModel
+from pallas_emb.job.model import RankingModel
 
 
 class DenseLayer(nnx.Module):

@@ -7,7 +7,7 @@ trainer); this module is the dense part, in plain JAX.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,12 +32,17 @@ class RankingModel:
     """He-initialised layers: [{"w": (in, out), "b": (out,)}, ...]."""
     sizes = (self.input_dim, *self.hidden, 1)
     keys = jax.random.split(key, len(sizes) - 1)
-    return [{"w": jax.random.normal(k, (i, o), jnp.float32) * jnp.sqrt(2.0 / i),
-             "b": jnp.zeros((o,), jnp.float32)}
-            for k, i, o in zip(keys, sizes[:-1], sizes[1:])]
+    return [
+      {
+        "w": jax.random.normal(k, (i, o), jnp.float32) * jnp.sqrt(2.0 / i),
+        "b": jnp.zeros((o,), jnp.float32),
+      }
+      for k, i, o in zip(keys, sizes[:-1], sizes[1:])
+    ]
 
-  def logits(self, params: Sequence[Mapping[str, jax.Array]],
-             acts: Mapping[str, jax.Array], dense: jax.Array) -> jax.Array:
+  def logits(
+    self, params: Sequence[Mapping[str, jax.Array]], acts: Mapping[str, jax.Array], dense: jax.Array
+  ) -> jax.Array:
     """(B,) click logits from feature -> (B, dim) embeddings and (B, F) dense."""
     x = jnp.concatenate([acts[f] for f in self.features] + [dense], axis=1)
     for layer in params[:-1]:
@@ -49,15 +54,22 @@ class RankingModel:
     logits = self.logits(params, acts, batch["dense"])
     per_example = optax.sigmoid_binary_cross_entropy(logits, batch["label"])
     weight = batch["weight"]
-    return jnp.sum(per_example * weight) / jnp.maximum(jnp.sum(weight), 1.0), {
-        "logits": logits}
+    return jnp.sum(per_example * weight) / jnp.maximum(jnp.sum(weight), 1.0), {"logits": logits}
 
 
-def build_ranking(dataset, mesh, *, emb_dim: int, optimizer,
-                  backend: str | None = None, axis: str = "x",
-                  hidden: tuple[int, ...] = (128, 64), dtype=jnp.float32,
-                  table_options: Mapping[str, Mapping] | None = None,
-                  stacking="auto"):
+def build_ranking(
+  dataset,
+  mesh,
+  *,
+  emb_dim: int,
+  optimizer,
+  backend: str | None = None,
+  axis: str = "x",
+  hidden: tuple[int, ...] = (128, 64),
+  dtype=jnp.float32,
+  table_options: Mapping[str, Mapping] | None = None,
+  stacking="auto",
+):
   """The sharded tables and the MLP for a dataset's features.
 
   Args:
@@ -79,17 +91,19 @@ def build_ranking(dataset, mesh, *, emb_dim: int, optimizer,
   """
   from pallas_emb.embedding import ShardedEmbedding  # pylint: disable=g-import-not-at-top
   from pallas_emb.spec import FeatureSpec, TableSpec  # pylint: disable=g-import-not-at-top
+
   tables = {}
   dims = getattr(dataset, "dims", {})
   for f in dataset.features:
-    options = {"dim": dims.get(f.table, emb_dim),
-               **dict((table_options or {}).get(f.table, {}))}
-    tables.setdefault(f.table, TableSpec(
-        f.table, f.num_rows, optimizer=optimizer, dtype=dtype, **options))
+    options = {"dim": dims.get(f.table, emb_dim), **dict((table_options or {}).get(f.table, {}))}
+    tables.setdefault(
+      f.table, TableSpec(f.table, f.num_rows, optimizer=optimizer, dtype=dtype, **options)
+    )
   features = [FeatureSpec(f.name, f.table, f.combiner) for f in dataset.features]
-  emb = ShardedEmbedding(tuple(tables.values()), features, mesh, axis, backend,
-                         stacking)
-  model = RankingModel(tuple(f.name for f in dataset.features),
-                       sum(tables[f.table].dim for f in features)
-                       + dataset.num_dense, hidden)
+  emb = ShardedEmbedding(tuple(tables.values()), features, mesh, axis, backend, stacking)
+  model = RankingModel(
+    tuple(f.name for f in dataset.features),
+    sum(tables[f.table].dim for f in features) + dataset.num_dense,
+    hidden,
+  )
   return emb, model

@@ -21,9 +21,10 @@ chunk i and the write-back of output block i-1; up to 2 * C row DMAs
 Row ids are scalar-prefetched into SMEM to address the DMAs, one window of
 ids per kernel call (`chip.window_ids`), so any number of ids fits. Padding
 ids are never copied: their buffer rows are zeroed instead, so the output
-needs no mask (a (C, 1) mask block would be padded to 128 lanes). bfloat16 rows travel as their uint32 storage
-words and are unpacked in VMEM (see `pallas_emb.packing` and the note on lane
-alignment in `fused_update`).
+needs no mask (a (C, 1) mask block would be padded to 128 lanes). bfloat16
+rows travel as their uint32 storage words and are unpacked in VMEM (see
+`pallas_emb.packing` and the note on lane
+alignment in `pallas_update`).
 """
 
 from __future__ import annotations
@@ -43,8 +44,7 @@ from pallas_emb.kernels import chip as chip_lib
 DEFAULT_CHUNK_ROWS = 128
 
 
-def vmem_footprint_bytes(*, dim: int, dtype,
-                         chunk_rows: int = DEFAULT_CHUNK_ROWS) -> int:
+def vmem_footprint_bytes(*, dim: int, dtype, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> int:
   """VMEM the gather needs for one chunk size, in bytes.
 
   Counts, in (8, 128)-tiled 32-bit words: two row buffers (C, storage width)
@@ -63,8 +63,7 @@ def vmem_footprint_bytes(*, dim: int, dtype,
   return words * chip_lib.WORD_BYTES
 
 
-def _gather_kernel(rows_ref, table_hbm, out_ref, buf, sems, *, dtype,
-                   num_rows):
+def _gather_kernel(rows_ref, table_hbm, out_ref, buf, sems, *, dtype, num_rows):
   """One grid step: one chunk of row ids; see the module docstring.
 
   Refs: rows (W,) int32 in SMEM; the table in HBM; the (C, dim) float32
@@ -75,9 +74,15 @@ def _gather_kernel(rows_ref, table_hbm, out_ref, buf, sems, *, dtype,
   cur = i % 2
 
   def copies(step, slot):
-    return row_dma.ChunkCopies(rows_ref, step * chunk, [table_hbm],
-                               [buf.at[slot]], [sems.at[slot]],
-                               num_rows=num_rows, zero_skipped=True)
+    return row_dma.ChunkCopies(
+      rows_ref,
+      step * chunk,
+      [table_hbm],
+      [buf.at[slot]],
+      [sems.at[slot]],
+      num_rows=num_rows,
+      zero_skipped=True,
+    )
 
   @pl.when(i == 0)
   def _():
@@ -91,10 +96,16 @@ def _gather_kernel(rows_ref, table_hbm, out_ref, buf, sems, *, dtype,
   out_ref[...] = packing.unpack_rows(buf[cur], dtype)
 
 
-def gather(table: jax.Array, rows: jax.Array, *, dtype, interpret=False,
-           chunk_rows: int = DEFAULT_CHUNK_ROWS,
-           window_rows: int | None = None,
-           target: chip_lib.Target = None) -> jax.Array:
+def gather(
+  table: jax.Array,
+  rows: jax.Array,
+  *,
+  dtype,
+  interpret=False,
+  chunk_rows: int = DEFAULT_CHUNK_ROWS,
+  window_rows: int | None = None,
+  target: chip_lib.Target = None,
+) -> jax.Array:
   """Reads rows of a stored table; see `xla.gather`.
 
   Args:
@@ -125,22 +136,26 @@ def gather(table: jax.Array, rows: jax.Array, *, dtype, interpret=False,
     return jnp.zeros((0, dim), jnp.float32)
   chip = chip_lib.resolve_chip(target)
   footprint = chip_lib.check_vmem(
-      "gather",
-      lambda c: vmem_footprint_bytes(dim=dim, dtype=dtype, chunk_rows=c),
-      chunk, chip)
+    "gather", lambda c: vmem_footprint_bytes(dim=dim, dtype=dtype, chunk_rows=c), chunk, chip
+  )
   window = chip_lib.window_ids(chip, chunk, window_rows)
-  rows = jnp.pad(rows, (0, chip_lib.round_up(num_ids, window) - num_ids),
-                 constant_values=-1)
-  return _gather_call(table, rows, num_ids=num_ids, dtype=np.dtype(dtype),
-                      chunk=chunk, window=window, interpret=params,
-                      vmem_limit=chip_lib.vmem_limit_bytes(footprint, chip))
+  rows = jnp.pad(rows, (0, chip_lib.round_up(num_ids, window) - num_ids), constant_values=-1)
+  return _gather_call(
+    table,
+    rows,
+    num_ids=num_ids,
+    dtype=np.dtype(dtype),
+    chunk=chunk,
+    window=window,
+    interpret=params,
+    vmem_limit=chip_lib.vmem_limit_bytes(footprint, chip),
+  )
 
 
 @functools.partial(
-    jax.jit, static_argnames=["num_ids", "dtype", "chunk", "window",
-                              "interpret", "vmem_limit"])
-def _gather_call(table, rows, *, num_ids, dtype, chunk, window, interpret,
-                 vmem_limit):
+  jax.jit, static_argnames=["num_ids", "dtype", "chunk", "window", "interpret", "vmem_limit"]
+)
+def _gather_call(table, rows, *, num_ids, dtype, chunk, window, interpret, vmem_limit):
   """The kernel, once per window of ids."""
   width = table.shape[1]
   dim = 2 * width if dtype == packing.SUPPORTED_DTYPES[1] else width
@@ -148,30 +163,42 @@ def _gather_call(table, rows, *, num_ids, dtype, chunk, window, interpret,
   for start in range(0, num_ids, window):
     size = min(window, num_ids - start)
     steps = pl.cdiv(size, chunk)
-    cost = pl.estimate_cost(functools.partial(packing.unpack_rows, dtype=dtype),
-                            jax.ShapeDtypeStruct((steps * chunk, width),
-                                                 table.dtype))
+    cost = pl.estimate_cost(
+      functools.partial(packing.unpack_rows, dtype=dtype),
+      jax.ShapeDtypeStruct((steps * chunk, width), table.dtype),
+    )
     cost = pl.CostEstimate(
-        flops=cost.flops, transcendentals=cost.transcendentals,
-        # Each id reads its row and its id; the output is written once.
-        bytes_accessed=size * (width * 4 + 4 + dim * 4))
-    outs.append(pl.pallas_call(
+      flops=cost.flops,
+      transcendentals=cost.transcendentals,
+      # Each id reads its row and its id; the output is written once.
+      bytes_accessed=size * (width * 4 + 4 + dim * 4),
+    )
+    outs.append(
+      pl.pallas_call(
         functools.partial(_gather_kernel, dtype=dtype, num_rows=table.shape[0]),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
-            grid=(steps,),
-            in_specs=[pl.BlockSpec(memory_space=pltpu.HBM)],
-            out_specs=pl.BlockSpec((chunk, dim), lambda i, rows: (i, 0)),
-            scratch_shapes=[pltpu.VMEM((2, chunk, width), table.dtype),
-                            pltpu.SemaphoreType.DMA((2,))]),
+          num_scalar_prefetch=1,
+          grid=(steps,),
+          in_specs=[pl.BlockSpec(memory_space=pltpu.HBM)],
+          out_specs=pl.BlockSpec((chunk, dim), lambda i, rows: (i, 0)),
+          scratch_shapes=[
+            pltpu.VMEM((2, chunk, width), table.dtype),
+            pltpu.SemaphoreType.DMA((2,)),
+          ],
+        ),
         out_shape=jax.ShapeDtypeStruct((size, dim), jnp.float32),
         compiler_params=pltpu.CompilerParams(
-            # Buffers carry chunks across grid steps.
-            dimension_semantics=("arbitrary",), vmem_limit_bytes=vmem_limit),
+          # Buffers carry chunks across grid steps.
+          dimension_semantics=("arbitrary",),
+          vmem_limit_bytes=vmem_limit,
+        ),
         cost_estimate=cost,
         interpret=interpret,
-    )(rows[start:start + window],
-      # In HBM, stated: else XLA may stage a small enough table in VMEM for
-      # the call, copying all of it every step.
-      pltpu.with_memory_space_constraint(table, pltpu.HBM)))
+      )(
+        rows[start : start + window],
+        # In HBM, stated: else XLA may stage a small enough table in VMEM for
+        # the call, copying all of it every step.
+        pltpu.with_memory_space_constraint(table, pltpu.HBM),
+      )
+    )
   return outs[0] if len(outs) == 1 else jnp.concatenate(outs)

@@ -21,7 +21,7 @@ Everything here runs inside `shard_map` on one device's blocks.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -64,16 +64,13 @@ def member_of(m: Members, rows: jax.Array) -> jax.Array:
   return jnp.where(inside, at, m.count)
 
 
-def member_of_local(m: Members, layout: RowLayout, local: jax.Array,
-                    shard: jax.Array) -> jax.Array:
+def member_of_local(m: Members, layout: RowLayout, local: jax.Array, shard: jax.Array) -> jax.Array:
   """Member of each local row of shard `shard` (-1 rows: `m.count`)."""
-  logical = layout.logical_of(shard * layout.rows_per_shard
-                              + jnp.maximum(local, 0))
+  logical = layout.logical_of(shard * layout.rows_per_shard + jnp.maximum(local, 0))
   return jnp.where(local >= 0, member_of(m, logical), m.count)
 
 
-def member_of_keys(m: Members, layout: RowLayout, keys: jax.Array,
-                   present: jax.Array) -> jax.Array:
+def member_of_keys(m: Members, layout: RowLayout, keys: jax.Array, present: jax.Array) -> jax.Array:
   """Member of each physical key where `present` (else `m.count`)."""
   logical = layout.logical_of(jnp.where(present, keys, 0))
   return jnp.where(present, member_of(m, logical), m.count)
@@ -84,8 +81,7 @@ def count(member: jax.Array, num: int) -> jax.Array:
   return jax.ops.segment_sum(jnp.ones_like(member), member, num_segments=num)
 
 
-def remap_ids(m: Members, feature_ids: Sequence[jax.Array]
-              ) -> tuple[list[jax.Array], jax.Array]:
+def remap_ids(m: Members, feature_ids: Sequence[jax.Array]) -> tuple[list[jax.Array], jax.Array]:
   """Each feature's member ids -> stacked ids, and (M,) invalid per member.
 
   -1 stays padding; an id outside [0, size) of its member becomes
@@ -94,10 +90,8 @@ def remap_ids(m: Members, feature_ids: Sequence[jax.Array]
   out, invalid = [], jnp.zeros((m.count,), jnp.int32)
   for member, ids in zip(m.feature_member, feature_ids):
     ok = (ids >= 0) & (ids < m.sizes[member])
-    out.append(jnp.where(ok, ids + m.starts[member],
-                         jnp.where(ids == -1, -1, INVALID_ID)))
-    invalid = invalid.at[member].add(
-        jnp.sum(~ok & (ids != -1), dtype=jnp.int32))
+    out.append(jnp.where(ok, ids + m.starts[member], jnp.where(ids == -1, -1, INVALID_ID)))
+    invalid = invalid.at[member].add(jnp.sum(~ok & (ids != -1), dtype=jnp.int32))
   return out, invalid
 
 
@@ -124,41 +118,15 @@ def source_counts(m: Members, layout: RowLayout, unique, plan):
   member = member_of_keys(m, layout, unique.keys, kept)
   owner = jnp.where(kept, unique.keys // layout.rows_per_shard, 0)
   per_owner = jax.ops.segment_sum(
-      jnp.ones_like(member), jnp.where(member < n, member * shards + owner,
-                                       n * shards), num_segments=n * shards)
+    jnp.ones_like(member),
+    jnp.where(member < n, member * shards + owner, n * shards),
+    num_segments=n * shards,
+  )
   route_demand = jnp.max(per_owner.reshape(n, shards), axis=1)
   return num_unique, num_unique - num_sent, route_demand
 
 
-def pow2_floor(peak: jax.Array) -> jax.Array:
-  """The largest power of two <= `peak` (> 0 and finite), else 1.
-
-  The exponent bits of `peak` alone: exact, unlike float32 exp2/log2,
-  which flush to zero near the smallest normal.
-  """
-  scale = jax.lax.bitcast_convert_type(
-      jax.lax.bitcast_convert_type(peak, jnp.uint32) & jnp.uint32(0x7F800000),
-      jnp.float32)
-  return jnp.where(jnp.isfinite(peak) & (scale > 0), scale, 1.0)
-
-
-def global_norms(x: jax.Array, member: jax.Array, num: int,
-                 axis: str) -> jax.Array:
-  """(num,) L2 norm of each member's rows of `x` (C, D) over all devices of
-  `axis`, scaled by a power of two like `shard_ops` does for one table."""
-  row_peak = jnp.max(jnp.abs(x), axis=1, initial=0.0)
-  peak = jax.lax.pmax(jnp.maximum(jax.ops.segment_max(
-      row_peak, member, num_segments=num), 0.0), axis)
-  # A NaN row may not survive segment_max; its square still reaches the sum.
-  scale = pow2_floor(peak)
-  scaled = x / jnp.concatenate([scale, jnp.ones((1,))])[member][:, None]
-  sums = jax.ops.segment_sum(jnp.sum(scaled * scaled, axis=1), member,
-                             num_segments=num)
-  return scale * jnp.sqrt(jax.lax.psum(sums, axis))
-
-
-def keep_rows(rows: jax.Array, grads: jax.Array, keep: jax.Array
-              ) -> tuple[jax.Array, jax.Array]:
+def keep_rows(rows: jax.Array, grads: jax.Array, keep: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Rows (and their gradients) where `keep`, moved to the front.
 
   The fused update kernel requires its rows ascending with the -1 padding
@@ -174,15 +142,12 @@ def keep_rows(rows: jax.Array, grads: jax.Array, keep: jax.Array
   keep = keep & (rows >= 0)
   size = rows.shape[0]
   pos = jnp.where(keep, jnp.cumsum(keep, dtype=jnp.int32) - 1, size)
-  new_rows = jnp.full_like(rows, -1).at[pos].set(rows, mode="drop",
-                                                 unique_indices=True)
-  new_grads = jnp.zeros_like(grads).at[pos].set(grads, mode="drop",
-                                                unique_indices=True)
+  new_rows = jnp.full_like(rows, -1).at[pos].set(rows, mode="drop", unique_indices=True)
+  new_grads = jnp.zeros_like(grads).at[pos].set(grads, mode="drop", unique_indices=True)
   return new_rows, new_grads
 
 
-def init_rows(m: Members, initializer, keys: jax.Array, logical: jax.Array,
-              dim: int) -> jax.Array:
+def init_rows(m: Members, initializer, keys: jax.Array, logical: jax.Array, dim: int) -> jax.Array:
   """(n, dim) float32 initial rows of stacked logical rows: row r of member
   i is `initializer(fold_in(keys[i], r))`, as if the member were alone;
   zero for padding and gaps."""

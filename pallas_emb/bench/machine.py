@@ -1,0 +1,94 @@
+"""The machine a benchmark runs on: copy bandwidth, peak memory, what it is.
+
+A benchmark's times only mean something beside the machine's state: its
+load average at the start and end, and the bandwidth of a 1 GiB copy (the
+memory floor of a step is bytes / bandwidth).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import threading
+import time
+
+import jax
+import numpy as np
+
+from pallas_emb.bench.methods import fbgemm_available
+
+
+def copy_bandwidth(size: int = 1 << 30, repeats: int = 5) -> float:
+  """Bytes per second moved by a `size`-byte array copy (read + write)."""
+  src = np.ones(size // 4, np.float32)
+  dst = np.empty_like(src)
+  np.copyto(dst, src)
+  times = []
+  for _ in range(repeats):
+    tic = time.perf_counter()
+    np.copyto(dst, src)
+    times.append(time.perf_counter() - tic)
+  return 2 * size / float(np.median(times))
+
+
+class PeakRss:
+  """Samples this process's resident set while active; reports the peak."""
+
+  def __init__(self, interval: float = 0.002):
+    self.interval, self.peak, self._stop = interval, 0, threading.Event()
+    self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+  def _rss(self) -> int:
+    try:
+      with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * self._page
+    except OSError:
+      import resource  # pylint: disable=g-import-not-at-top
+
+      return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+  def __enter__(self):
+    self.peak = self._rss()
+    self._stop.clear()
+    self._thread = threading.Thread(target=self._run, daemon=True)
+    self._thread.start()
+    return self
+
+  def _run(self):
+    while not self._stop.is_set():
+      self.peak = max(self.peak, self._rss())
+      time.sleep(self.interval)
+
+  def __exit__(self, *exc):
+    self._stop.set()
+    self._thread.join()
+    self.peak = max(self.peak, self._rss())
+
+
+def machine_info(bandwidth: float, malloc_tuned: bool) -> dict:
+  info = {
+    "platform": platform.platform(),
+    "python": platform.python_version(),
+    "cpus": os.cpu_count(),
+    "jax": jax.__version__,
+    "jax_backend": jax.default_backend(),
+    "copy_bandwidth_gbps": bandwidth / 1e9,
+    "keep_freed_memory": malloc_tuned,
+    "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+    "load_avg": list(os.getloadavg()),
+  }
+  try:
+    with open("/proc/cpuinfo") as f:
+      models = [l.split(":", 1)[1].strip() for l in f if l.startswith("model name")]
+    info["cpu"] = models[0] if models else platform.processor()
+    with open("/proc/meminfo") as f:
+      info["mem_gb"] = int(f.readline().split()[1]) / 2**20
+  except OSError:
+    info["cpu"] = platform.processor()
+  if fbgemm_available() is None:
+    import fbgemm_gpu  # pylint: disable=g-import-not-at-top
+    import torch  # pylint: disable=g-import-not-at-top
+
+    info["torch"], info["fbgemm_gpu"] = torch.__version__, fbgemm_gpu.__version__
+    info["torch_threads"] = torch.get_num_threads()
+  return info

@@ -1,0 +1,95 @@
+"""The training loop: steps, periodic evaluation, checkpoints, early stop."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, NamedTuple
+
+from pallas_emb.job import evaluation
+from pallas_emb.job.build import Job
+from pallas_emb.job.distributed import log
+from pallas_emb.job.flags import FLAGS
+from pallas_emb.job.run_log import RunLog
+from pallas_emb.train.best_eval import BestEval
+
+
+class Loop(NamedTuple):
+  """What the loop keeps beside the state: its log, the best evaluation,
+  the checkpointers (latest, best; None without --checkpoint_dir)."""
+
+  log: RunLog
+  best: BestEval
+  ckpt: Any
+  best_ckpt: Any
+
+
+class Trained(NamedTuple):
+  """Where the loop stopped."""
+
+  state: Any
+  loss: float  # the last step's
+  initial_loss: float  # the first step's
+  history: list  # the periodic evaluations
+  steps: int  # steps done (of job.steps, fewer after an early stop)
+
+
+def evaluate_at(job: Job, loop: Loop, state, done: int, history: list):
+  """Flushes, evaluates, records; keeps the best step's checkpoint."""
+  state, _ = job.trainer.flush(state)
+  ev = evaluation.evaluate(job.trainer, state, job.feeder, FLAGS.eval_batches)
+  history.append({"step": done, **ev})
+  loop.log.eval(done, ev)
+  improved = loop.best.add(done, ev)
+  log(
+    f"eval at step {done}: auc {ev['auc']:.4f}  logloss {ev['logloss']:.4f}"
+    + ("  (best)" if improved else f"  (best: step {loop.best.step})")
+  )
+  if improved and loop.best_ckpt is not None:
+    loop.best_ckpt.save(state, job.batch_shapes, {"data_position": done, "eval": ev})
+  return state
+
+
+def train(job: Job, loop: Loop, start: int, data_state: dict | None) -> Trained:
+  """Steps start..job.steps, or until an early stop."""
+  state, feeder, trainer, run_log = job.state, job.feeder, job.trainer, loop.log
+  loss = initial_loss = float("nan")
+  history = []
+  # The batches come from this process's grain iterator; its state goes
+  # into each checkpoint, so a resumed run reads what this one would.
+  batch, done = feeder.train(start), start
+  batches = feeder.iterator(data_state, start=start + 1)
+  for t in range(start, job.steps):
+    next_batch = next(batches)
+    tic = time.perf_counter()
+    state, m = trainer.step(state, batch, next_batch)
+    loss = float(m["loss"])  # blocks: the step is done
+    if t == start:
+      initial_loss = loss
+    done = t + 1
+    run_log.add(done, m, time.perf_counter() - tic, timed=t > start)
+    batch = next_batch
+    if done % FLAGS.log_every == 0 or done == job.steps:
+      norms = " ".join(f"{k}={float(v['grad_norm']):.3g}" for k, v in m["emb"].items())
+      log(run_log.line(done, loss, norms))
+    if FLAGS.eval_every and done % FLAGS.eval_every == 0 and done < job.steps:
+      state = evaluate_at(job, loop, state, done, history)
+    last = done == job.steps or loop.best.should_stop
+    periodic = FLAGS.checkpoint_every and done % FLAGS.checkpoint_every == 0
+    if loop.ckpt is not None and (periodic or (last and done > start)):
+      loop.ckpt.save(
+        state,
+        job.batch_shapes,
+        {
+          "data_position": done,
+          "data_iterator": batches.get_state(),
+          "counters": dict(run_log.counters),
+          "best": loop.best.state(),
+        },
+      )
+    if loop.best.should_stop:
+      log(
+        f"early stop at step {done}: {loop.best.since_best} evaluations without a lower "
+        f"eval log-loss than step {loop.best.step}'s"
+      )
+      break
+  return Trained(state, loss, initial_loss, history, done)
