@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_emb import kernels, norms, pooling
-from pallas_emb.shard_ops import make_residuals, pool_all
+from pallas_emb.shard_ops import fused_update, make_residuals, pool_all
 from pallas_emb.sharded_table import ShardedTable
 from pallas_emb.state import TableMetrics, TableResiduals
 from sharding.dedup import Unique, dedup, unique_keys
@@ -124,18 +124,7 @@ def update_shard(t: ShardedTable, table, slots, step, res, token_grads, gate, cl
   )
   if scale is not None:
     grads = grads * scale
-  opt = t.spec.optimizer
-  table, slots = kernels.fused_update(
-    table,
-    slots,
-    _rows(merged.keys),
-    grads,
-    opt.scalars(step),
-    apply,
-    optimizer=opt,
-    dtype=t.spec.dtype,
-    backend=t.backend if opt.runs_in_kernel else "xla",
-  )
+  table, slots = fused_update(t, table, slots, step, _rows(merged.keys), grads, apply)
   psum = lambda x: jax.lax.psum(jnp.sum(x), t.axis)
   pmax = lambda x: jax.lax.pmax(jnp.max(x), t.axis)
   metrics = TableMetrics(

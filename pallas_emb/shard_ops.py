@@ -252,7 +252,9 @@ def _psum(t: ShardedTable, x: jax.Array) -> jax.Array:
   return jax.lax.psum(jnp.sum(x, axis=0), t.axis)
 
 
-def _fused_update(t: ShardedTable, table, slots, step, rows, grads, write):
+def fused_update(t: ShardedTable, table, slots, step, rows, grads, write):
+  """`kernels.fused_update` of `t`'s optimizer at `step` on its backend (an
+  optimizer that cannot run in a kernel takes the XLA path)."""
   opt = t.spec.optimizer
   return kernels.fused_update(
     table,
@@ -297,7 +299,7 @@ def _update_table(t: ShardedTable, table, slots, step, res, token_grads, gate, c
   )
   if scale is not None:
     grads = grads * scale
-  table, slots = _fused_update(t, table, slots, step, res.plan.owner_rows, grads, apply)
+  table, slots = fused_update(t, table, slots, step, res.plan.owner_rows, grads, apply)
   return table, slots, norm, apply, apply, res.plan.owner_demand
 
 
@@ -320,7 +322,7 @@ def _update_stack(t: ShardedTable, table, slots, step, res, token_grads, gate, c
     rows, grads, jnp.concatenate([apply, jnp.zeros((1,), bool)])[member]
   )
   write = jnp.any(apply)
-  table, slots = _fused_update(t, table, slots, step, rows, grads, write)
+  table, slots = fused_update(t, table, slots, step, rows, grads, write)
   return table, slots, norm, apply, write, owner_demand
 
 

@@ -74,6 +74,18 @@ METHODS = ("search", "sort")
 UniqueImpl = Callable[[jax.Array, int], tuple[jax.Array, jax.Array, jax.Array]]
 
 
+def _unique(keys, inverse, num_unique, capacity: int, **sorted_fields) -> Unique:
+  """A `Unique` of `capacity` kept keys out of `num_unique` distinct ones."""
+  return Unique(
+    keys=keys,
+    inverse=inverse,
+    num_unique=num_unique,
+    num_overflow=jnp.maximum(num_unique - capacity, 0),
+    num_invalid=jnp.zeros((), jnp.int32),
+    **sorted_fields,
+  )
+
+
 def unique_keys(
   keys: jax.Array, capacity: int, method: str = "search", *, impl: UniqueImpl | None = None
 ) -> Unique:
@@ -98,13 +110,7 @@ def unique_keys(
     raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
   if impl is not None and method == "search":
     out_keys, inverse, num_unique = impl(keys, capacity)
-    return Unique(
-      keys=out_keys,
-      inverse=inverse,
-      num_unique=num_unique,
-      num_overflow=jnp.maximum(num_unique - capacity, 0),
-      num_invalid=jnp.zeros((), jnp.int32),
-    )
+    return _unique(out_keys, inverse, num_unique, capacity)
   if method == "sort":
     sorted_keys, position = jax.lax.sort(
       (keys, jnp.arange(keys.shape[0], dtype=jnp.int32)), num_keys=1
@@ -130,13 +136,11 @@ def unique_keys(
       jnp.searchsorted(out_keys, keys, method="scan_unrolled"), capacity - 1
     ).astype(jnp.int32)
     inverse = jnp.where((keys != SENTINEL) & (out_keys[slot] == keys), slot, -1)
-  num_unique = jnp.sum(first, dtype=jnp.int32)
-  return Unique(
-    keys=out_keys,
-    inverse=inverse,
-    num_unique=num_unique,
-    num_overflow=jnp.maximum(num_unique - capacity, 0),
-    num_invalid=jnp.zeros((), jnp.int32),
+  return _unique(
+    out_keys,
+    inverse,
+    jnp.sum(first, dtype=jnp.int32),
+    capacity,
     order=order,
     sorted_keys=sorted_keys,
     sorted_slot=sorted_slot,

@@ -129,12 +129,8 @@ def fused_update(
     apply: bool scalar; when False nothing is written.
     optimizer: supplies `update_rows`.
     dtype: the table's logical dtype.
-    interpret: False (compile for TPU), True (TPU interpret mode) or a
-      `pltpu.InterpretParams`.
-    chunk_rows: rows per grid step, a positive multiple of 8 (capped at U
-      rounded up to 8).
-    window_rows: ids per kernel call (default: what fits SMEM).
-    target: the chip to size VMEM for; see `chip.resolve_chip`.
+    interpret, chunk_rows, window_rows, target: as for
+      `pallas_gather.gather`.
 
   Returns:
     (table, slots) with only the listed rows changed. Donate `table` and

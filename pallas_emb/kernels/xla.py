@@ -7,9 +7,6 @@ own checks, and call the optimizer's `update_rows`, like the kernels do.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 
@@ -40,17 +37,7 @@ def gather(table: jax.Array, rows: jax.Array, *, dtype) -> jax.Array:
   return packing.unpack_rows(words, dtype)
 
 
-def fused_update(
-  table: jax.Array,
-  slots: Mapping[str, jax.Array],
-  rows: jax.Array,
-  grads: jax.Array,
-  scalars: NamedTuple,
-  apply: jax.Array,
-  *,
-  optimizer: RowUpdate,
-  dtype,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+def fused_update(table, slots, rows, grads, scalars, apply, *, optimizer: RowUpdate, dtype):
   """Applies `optimizer` to the listed rows, in place when donated.
 
   Args:
