@@ -18,6 +18,9 @@ import sys
 ASYNC_ALL_TO_ALL = "--xla_tpu_enable_async_all_to_all=true"
 
 _DEFAULTS = {
+  # libtpu takes /tmp/libtpu_lockfile to keep a TPU to one process; a
+  # deviceless compile uses no TPU, and several may run at once.
+  "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
   "JAX_PLATFORMS": "cpu",
   "TPU_SKIP_MDS_QUERY": "1",
   "TPU_WORKER_HOSTNAMES": "localhost",
