@@ -9,6 +9,8 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
+from conftest import child_env
 
 from pallas_emb.bench import plot, workloads
 from pallas_emb.bench import report as bench_report
@@ -23,10 +25,10 @@ STAGES = {
 }
 
 
+@pytest.mark.slow
 def test_bench_writes_the_documented_schema(tmp_path):
   out = tmp_path / "bench.json"
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+  env = child_env()
   proc = subprocess.run(
     [
       "timeout",

@@ -77,10 +77,11 @@ def _trainer(optimizer=None, batch=BATCH, user_rows=500):
 def _host(tr, state) -> dict:
   """Everything a restore must bring back, as host arrays."""
   out = {"step": int(state.step)}
+  for t in tr.emb.tables:
+    out[f"{t.name}/table"] = tr.emb.logical_table(state.tables, t.name)
+    for k, v in tr.emb.logical_slots(state.tables, t.name).items():
+      out[f"{t.name}/{k}"] = v
   for name in state.tables:
-    out[f"{name}/table"] = tr.emb.logical_table(state.tables, name)
-    for k, v in tr.emb.logical_slots(state.tables, name).items():
-      out[f"{name}/{k}"] = v
     out[f"{name}/pending"] = np.asarray(state.pending[name].pending)
     out[f"{name}/grads"] = np.asarray(state.pending[name].grads)
     out[f"{name}/step"] = int(state.tables[name].step)

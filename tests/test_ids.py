@@ -178,6 +178,7 @@ _X64_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_x64_enabled_converts_in_the_graph():
   here = os.path.dirname(os.path.abspath(__file__))
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

@@ -284,6 +284,7 @@ def test_global_clipping_uses_one_norm_over_all_tables():
     np.testing.assert_allclose(clipped[n], full[n] / 2, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_async_trainer_takes_ragged_bags_like_padded_ones():
   # The async pipeline: contexts sized from a ragged batch, pending updates
   # of ragged tokens (the sync one is the embedding API tested above).

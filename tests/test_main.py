@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 from absl import flags
-from conftest import small_trainer
+from conftest import child_env, small_trainer
 
 import pallas_emb as pe
 from pallas_emb.job import flags as job_flags
@@ -32,29 +32,6 @@ def _run_in_process(*args):
   return main_lib.run()
 
 
-# Subprocess jobs of these tests share one persistent compilation cache: a
-# job compiling what an earlier job compiled starts in 3 s instead of 17 s.
-_CACHE_DIR = None
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _compilation_cache(tmp_path_factory):
-  global _CACHE_DIR
-  _CACHE_DIR = str(tmp_path_factory.mktemp("jax_cache"))
-
-
-def _env():
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # the job sets its own from --devices
-  env.update(
-    JAX_PLATFORMS="cpu",
-    JAX_COMPILATION_CACHE_DIR=_CACHE_DIR,
-    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-  )
-  return env
-
-
 # Small jobs: the same batch shapes in every test, so they share compilations.
 SMALL = ["--batch_size=128", "--log_every=1000", "--eval_batches=4"]
 
@@ -65,7 +42,7 @@ def _job(*args, timeout=300):
   return subprocess.Popen(
     ["timeout", "-k", "5", str(timeout), sys.executable, "-m", "pallas_emb", *SMALL, *args],
     cwd=REPO,
-    env=_env(),
+    env=child_env(),
     stdout=subprocess.PIPE,
     stderr=subprocess.STDOUT,
     text=True,
@@ -78,6 +55,7 @@ def _finish(proc):
   return out
 
 
+@pytest.mark.slow
 def test_short_run_learns(tmp_path):
   # Measured: 150 steps of 512 reach eval AUC ~0.72 (the planted model's own
   # AUC is 0.83); 0.65 leaves room for seed-to-seed variation.
@@ -118,6 +96,7 @@ def test_async_mode_refuses_the_optax_optimizer_before_training():
     _run_in_process("--steps=1", "--optimizer=optax_adam")
 
 
+@pytest.mark.slow
 def test_kill_and_resume_is_bit_identical(tmp_path):
   common = ["--steps=40", "--eval_every=15"]
   _finish(_job(*common, f"--save_tables={tmp_path}/ref.npz"))  # uninterrupted
@@ -177,6 +156,7 @@ def _trainer(num_devices, layout="mod"):
   return trainer, state, feeder
 
 
+@pytest.mark.slow
 def test_restore_written_on_8_devices_onto_4(tmp_path):
   tr8, state8, feed8 = _trainer(8)
   for t in range(3):
@@ -206,6 +186,7 @@ def test_restore_written_on_8_devices_onto_4(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_restore_into_another_layout_kind(tmp_path):
   # Same shard count, "mod" -> "range": rows must go through logical order.
   tr8, state8, feed8 = _trainer(8)
@@ -228,6 +209,7 @@ def _free_port():
     return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process(tmp_path):
   common = ["--steps=10"]
   _finish(
@@ -267,6 +249,7 @@ def test_two_processes_match_one_process(tmp_path):
     np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.slow
 def test_a_lost_process_is_named_with_the_last_checkpoint(tmp_path):
   ckpt, port = tmp_path / "ckpt", _free_port()
   procs = [

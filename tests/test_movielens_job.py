@@ -83,6 +83,7 @@ def _run_in_process(*args):
   return main_lib.run()
 
 
+@pytest.mark.slow
 def test_movielens_job_epochs_eval_best_step_and_tensorboard(tmp_path, capsys):
   path = str(tmp_path / "u.data")
   write_simulated_ratings(path, num_users=300, num_items=150, ratings_per_user=20)

@@ -86,6 +86,7 @@ def _assert_same_state(embed, dense, state):
   ],
   ids=["async-8", "sync-8", "exact-1"],
 )
+@pytest.mark.slow
 def test_nnx_trains_bit_for_bit_like_the_functional_trainer(num_devices, config):
   emb, model, feeder = _job(num_devices)
   key = jax.random.key(0)
@@ -114,6 +115,7 @@ def test_an_optimizer_without_a_fused_update_is_refused_at_construction():
   pnnx.Embed(emb, key=jax.random.key(0), config=pe.TrainConfig(use_async_emb=False))
 
 
+@pytest.mark.slow
 def test_nnx_state_checkpoints_through_orbax_and_resumes_exactly(tmp_path):
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 

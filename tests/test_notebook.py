@@ -4,6 +4,7 @@ import json
 import os
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,6 +33,7 @@ def test_notebook_is_committed_without_outputs():
   assert sum("parameters" in c["metadata"].get("tags", []) for c in nb["cells"]) == 1
 
 
+@pytest.mark.slow
 def test_notebook_runs_on_cpu(tmp_path, monkeypatch):
   nb = nbformat.read(NOTEBOOK, as_version=4)
   (params,) = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]

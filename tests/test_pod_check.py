@@ -39,11 +39,14 @@ def _can_unshare() -> bool:
 # libtpu comes with the test extra: its absence is a broken install, not a
 # reason to skip. A machine that may not create a network namespace cannot
 # run the compile the way the project requires.
-pytestmark = pytest.mark.skipif(
-  not _can_unshare(),
-  reason="`unshare -n` is not permitted here: the deviceless TPU compile "
-  "runs only without network access",
-)
+pytestmark = [
+  pytest.mark.slow,
+  pytest.mark.skipif(
+    not _can_unshare(),
+    reason="`unshare -n` is not permitted here: the deviceless TPU compile "
+    "runs only without network access",
+  ),
+]
 
 COMPILES = {
   "main": [

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import child_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(REPO, "README.md")).read()
@@ -18,19 +19,22 @@ BLOCK = re.compile(r"(<!-- ci:(\w+) -->\n)?```(python|bash)\n(.*?)```", re.S)
 BLOCKS = [(m.group(2), m.group(3), m.group(4)) for m in BLOCK.finditer(README)]
 
 
-def _env():
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # the blocks set up their own devices, as a user would
-  env["JAX_PLATFORMS"] = "cpu"
+def _env(lang: str) -> dict[str, str]:
+  env = child_env()
+  if lang == "python":
+    # The Python blocks ask for their devices with os.environ.setdefault, as
+    # a user would; the command-line programs add a count to XLA_FLAGS.
+    env.pop("XLA_FLAGS")
   return env
 
 
 def test_readme_has_the_two_commands():
   markers = {marker: code for marker, _, code in BLOCKS if marker}
   assert markers["main"].strip() == "pip install . && python -m pallas_emb"
-  assert markers["test"].strip() == 'pip install ".[test]" && python -m pytest -q'
+  assert markers["test"].strip() == 'pip install ".[test]" && python -m pytest -q --durations=15'
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", [i for i, (m, _, _) in enumerate(BLOCKS) if m != "test"])
 def test_readme_block_runs(index, tmp_path):
   marker, lang, code = BLOCKS[index]
@@ -42,7 +46,7 @@ def test_readme_block_runs(index, tmp_path):
   proc = subprocess.run(
     ["timeout", "-k", "5", "420", *cmd],
     cwd=tmp_path,
-    env={**_env(), "PYTHONPATH": REPO},
+    env=_env(lang),
     capture_output=True,
     text=True,
   )

@@ -175,6 +175,7 @@ def _trainer(emb, use_async, batch):
   return tr, {"s": jnp.ones((), jnp.float32)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
 def test_trainer_stacked_equals_unstacked_and_checkpoints_cross_over(use_async, tmp_path):
   """Both pipelines give the same tables and metrics stacked or not; a

@@ -54,3 +54,40 @@ def test_the_library_never_imports_the_job_or_the_benchmarks():
         if n.startswith(("pallas_emb.job", "pallas_emb.bench"))
       ]
   assert not offenders, offenders
+
+
+def _module_exists(name: str) -> bool:
+  path = REPO.joinpath(*name.split("."))
+  return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def test_every_import_of_the_project_names_a_module_that_exists():
+  """Also imports inside functions, which only run late (a moved module)."""
+  import pallas_emb
+
+  exported = set(pallas_emb._EXPORTS)
+  missing = []
+  for path in [
+    *REPO.glob("pallas_emb/**/*.py"),
+    *REPO.glob("sharding/*.py"),
+    *REPO.glob("tests/*.py"),
+  ]:
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+        if node.module.split(".")[0] not in ("pallas_emb", "sharding"):
+          continue
+        if not _module_exists(node.module):
+          missing.append(f"{path.relative_to(REPO)}: {node.module}")
+        elif node.module == "pallas_emb":
+          missing += [
+            f"{path.relative_to(REPO)}: pallas_emb.{a.name}"
+            for a in node.names
+            if a.name not in exported and not _module_exists(f"pallas_emb.{a.name}")
+          ]
+      elif isinstance(node, ast.Import):
+        missing += [
+          f"{path.relative_to(REPO)}: {a.name}"
+          for a in node.names
+          if a.name.split(".")[0] in ("pallas_emb", "sharding") and not _module_exists(a.name)
+        ]
+  assert not missing, missing

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from pallas_emb.data.feed import GlobalBatches
+from pallas_emb.job import baselines
 from pallas_emb.train import metrics
 
 
@@ -34,7 +35,5 @@ def baselines_of(dataset, enabled: bool = True) -> list[dict]:
   """The two baselines on the dataset's own split (MovieLens), else []."""
   if not enabled or not hasattr(dataset, "split_columns"):
     return []
-  from pallas_emb import baselines  # pylint: disable=g-import-not-at-top
-
   train, eval_ = (baselines.Columns(*c) for c in dataset.split_columns())
   return baselines.run_baselines(train, eval_, dataset.num_users, dataset.num_items)

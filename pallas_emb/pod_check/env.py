@@ -41,6 +41,9 @@ def prepare(async_all_to_all: bool = True) -> None:
     )
   for key, value in _DEFAULTS.items():
     os.environ.setdefault(key, value)
+  # A deviceless executable cannot be read back from a persistent cache
+  # ("PjRtCompiler must be constructed with a Client"): don't write one.
+  os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
   args = os.environ.get("LIBTPU_INIT_ARGS", "")
   if async_all_to_all and ASYNC_ALL_TO_ALL not in args:
     os.environ["LIBTPU_INIT_ARGS"] = f"{args} {ASYNC_ALL_TO_ALL}".strip()
