@@ -15,8 +15,11 @@ and one flag:
 
 Optionally, `native_rule()` names the C++ rule (csrc/row_rules.h) that does
 the same math on CPU, with its static hyperparameters, as
-`(name, (floats...))`, or returns None; without it the native CPU backend
-runs the optimizer on the XLA path.
+`(name, (floats...))` or `(name, (floats...), per_row)`, or returns None;
+without it the native CPU backend runs the optimizer on the XLA path.
+`per_row(slot_rows, scalars) -> (C, k) float32` gives the values of each row
+the rule takes from XLA (what needs XLA's transcendental functions), from
+the rows' slots, (C, width) each, with the optimizer's own functions.
 
 `update_rows` sees only rows that are in the batch (a lazy, sparse update):
 rows, grads and width-`dim` slots are (C, dim) float32, scalar-per-row slots
