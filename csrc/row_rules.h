@@ -96,7 +96,8 @@ struct Adagrad {
     for (int64_t j = 0; j < d; ++j) {
       const float a = acc[j] + g[j] * g[j];
       acc[j] = a;
-      const float scale = a > 0.0f ? 1.0f / std::sqrt(a + eps) : 0.0f;
+      const float inv = 1.0f / std::sqrt(a + eps);  // both sides, as jnp.where
+      const float scale = a > 0.0f ? inv : 0.0f;
       row[j] = row[j] + (g[j] * scale) * neg_lr;
     }
   }
@@ -187,37 +188,43 @@ struct Ftrl {
   explicit Ftrl(const float* s)
       : lr(s[0]), l1(s[2]), l2(s[3]), beta(s[4]), sqrt_power(s[1] != 0.0f),
         multiply(s[5] != 0.0f) {}
-  PE_INLINE float Power(float n) const { return sqrt_power ? std::sqrt(n) : 1.0f; }
   PE_INLINE void Apply(float* __restrict row, char* const* slot,
                        const float* __restrict g, float /*sum_sq*/,
                        const float* /*per_row*/, int64_t d) const {
-    float* __restrict acc = AsF32(slot[0]);
-    float* __restrict lin = AsF32(slot[1]);
+    // One loop per case, each without branches, so that each vectorizes.
     if (multiply) {
-      const float lim = lr * l1, quad_add = (2.0f * lr) * l2;
-      for (int64_t j = 0; j < d; ++j) {
-        const float n = acc[j], n2 = n + g[j] * g[j];
-        const float p2 = Power(n2), dp = p2 - Power(n);
-        const float z2 = (lin[j] + lr * g[j]) - dp * row[j];
-        const float quad = (p2 + beta) + quad_add;
-        const float w2 = (std::min(std::max(z2, -lim), lim) - z2) / quad;
-        acc[j] = n2;
-        lin[j] = z2;
-        row[j] = quad > 0.0f ? w2 : row[j];
-      }
-      return;
+      if (sqrt_power) return Loop<true, true>(row, slot, g, d);
+      return Loop<false, true>(row, slot, g, d);
     }
     if (lr <= 0.0f) return;  // a schedule's lr == 0: the step is skipped
-    const float l2x2 = 2.0f * l2;
+    if (sqrt_power) return Loop<true, false>(row, slot, g, d);
+    Loop<false, false>(row, slot, g, d);
+  }
+
+ private:
+  template <bool kSqrt>
+  static PE_INLINE float Power(float n) { return kSqrt ? std::sqrt(n) : 1.0f; }
+
+  template <bool kSqrt, bool kMultiply>
+  PE_INLINE void Loop(float* __restrict row, char* const* slot,
+                      const float* __restrict g, int64_t d) const {
+    float* __restrict acc = AsF32(slot[0]);
+    float* __restrict lin = AsF32(slot[1]);
+    const float lr = this->lr, beta = this->beta;  // locals: no aliasing questions
+    const float lim = kMultiply ? lr * l1 : l1;
+    const float quad_add = kMultiply ? (2.0f * lr) * l2 : 2.0f * l2;
     for (int64_t j = 0; j < d; ++j) {
-      const float n = acc[j], n2 = n + g[j] * g[j];
-      const float p2 = Power(n2), dp = p2 - Power(n);
-      const float z2 = (lin[j] + g[j]) - (dp / lr) * row[j];
-      const float quad = (p2 + beta) / lr + l2x2;
-      const float w2 = (std::min(std::max(z2, -l1), l1) - z2) / quad;
+      const float w = row[j], n = acc[j], n2 = n + g[j] * g[j];
+      const float p2 = Power<kSqrt>(n2), dp = p2 - Power<kSqrt>(n);
+      const float z2 = kMultiply ? (lin[j] + lr * g[j]) - dp * w
+                                 : (lin[j] + g[j]) - (dp / lr) * w;
+      const float quad = kMultiply ? (p2 + beta) + quad_add : (p2 + beta) / lr + quad_add;
+      const float lo = z2 < -lim ? -lim : z2;  // clip(z2, -lim, lim)
+      const float w2 = ((lo > lim ? lim : lo) - z2) / quad;
       acc[j] = n2;
       lin[j] = z2;
-      row[j] = quad > 0.0f ? w2 : row[j];
+      // quad == 0 (n' == 0 with l2 == beta == 0: no gradient yet): keep w.
+      row[j] = quad > 0.0f ? w2 : w;
     }
   }
 };

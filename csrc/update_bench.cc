@@ -10,7 +10,9 @@
 // RULE: sgd, adagrad, rowwise_adagrad, rowwise_adagrad_lazy, lazy_adam, ftrl.
 // It dedups the ids (std::sort, untimed), then times REPS one-device updates
 // (SegsumUpdate: segment sum, norm, gate, update) of a VOCAB x 128 float32
-// table on THREADS threads, and prints the minimum and median milliseconds
+// table on THREADS threads, and prints the minimum and median milliseconds,
+// of wall time and of the process's CPU time (all threads: on a machine
+// other processes share, it does not count the time they took the cores),
 // and the phases of the fastest repetition. Each AHEAD, "G,R", is a
 // prefetch look-ahead (gradient rows, table rows) to compare: the
 // repetitions cycle through them, so that the machine's noise hits each alike.
@@ -30,6 +32,7 @@
 #include <vector>
 
 #include <sys/mman.h>
+#include <time.h>
 
 #include "sparse_update.h"
 
@@ -91,9 +94,15 @@ T* HugeArray(size_t n, T init) {
   return a;
 }
 
+double CpuMs() {
+  timespec t;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
+}
+
 struct Config {
   pe::update_internal::Lookahead ahead;
-  std::vector<double> ms;
+  std::vector<double> ms, cpu_ms;
   std::vector<int64_t> best = std::vector<int64_t>(pe::kNumPhases);
 };
 
@@ -134,12 +143,14 @@ int Run(const std::vector<int32_t>& ids, int64_t vocab, int reps, int threads,
   for (int r = 0; r < reps; ++r) {
     for (Config& c : configs) {
       pe::update_internal::Ahead() = c.ahead;
+      const double c0 = CpuMs();
       const auto t0 = std::chrono::steady_clock::now();
       pe::SegsumUpdate(threads > 1 ? &pool : static_cast<Pool*>(nullptr), sh,
                        rule, rows.data(), capacity, inverse.data(),
                        per_row.data(), grads.data(), n, true);
       const double t = std::chrono::duration<double, std::milli>(
           std::chrono::steady_clock::now() - t0).count();
+      c.cpu_ms.push_back(CpuMs() - c0);
       if (c.ms.empty() || t < *std::min_element(c.ms.begin(), c.ms.end()))
         for (int p = 0; p < pe::kNumPhases; ++p) c.best[p] = pe::PhaseNanos()[p].load();
       c.ms.push_back(t);
@@ -149,9 +160,11 @@ int Run(const std::vector<int32_t>& ids, int64_t vocab, int reps, int threads,
               threads);
   for (Config& c : configs) {
     std::sort(c.ms.begin(), c.ms.end());
-    std::printf("ahead %d,%d: min %.3f ms, median %.3f ms (group %.3f, sums %.3f, "
-                "update %.3f, norm %.3f)\n", c.ahead.grads, c.ahead.rows, c.ms[0],
-                c.ms[c.ms.size() / 2], c.best[pe::kGroupByRow] / 1e6,
+    std::sort(c.cpu_ms.begin(), c.cpu_ms.end());
+    std::printf("ahead %d,%d: wall min %.3f median %.3f ms; cpu min %.3f median %.3f ms "
+                "(fastest: group %.3f, sums %.3f, update %.3f, norm %.3f)\n",
+                c.ahead.grads, c.ahead.rows, c.ms[0], c.ms[c.ms.size() / 2],
+                c.cpu_ms[0], c.cpu_ms[c.cpu_ms.size() / 2], c.best[pe::kGroupByRow] / 1e6,
                 c.best[pe::kSegmentSum] / 1e6, c.best[pe::kRowUpdate] / 1e6,
                 c.best[pe::kNormAndGate] / 1e6);
   }
