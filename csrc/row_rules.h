@@ -38,7 +38,7 @@ constexpr int kMaxSlots = 3;
 // Lanes of the sum of squares. A fixed lane assignment (column j adds into
 // lane j % kLanes, lanes combined by a fixed tree) vectorizes without
 // reassociating anything, so every instruction set gives the same bits.
-constexpr int kLanes = 16;
+constexpr int kLanes = 8;
 
 PE_INLINE float SumSquares(const float* __restrict g, int64_t d) {
   float lane[kLanes] = {};
