@@ -3,10 +3,12 @@
 //
 //   cmake --build build --target pe_update_bench
 //   build/pe_update_bench IDS_FILE VOCAB RULE [REPS] [THREADS] [AHEAD...]
-//   valgrind --tool=callgrind build/pe_update_bench IDS_FILE VOCAB RULE 1 1
+//   valgrind --tool=callgrind --toggle-collect='*SegsumUpdate*'
+//     build/pe_update_bench IDS_FILE VOCAB RULE 1 1
+//   (one command; valgrind has no AVX-512: it counts the AVX2 loops)
 //
-// IDS_FILE holds int32 ids (the benchmark's: `python -c "import numpy as np;
-// from pallas_emb.bench import zipf_ids; zipf_ids(65536, 10**6).tofile('w1.ids')"`).
+// IDS_FILE holds int32 ids (the benchmark's W1: `python -c "from
+// pallas_emb.bench.workloads import zipf_ids; zipf_ids(65536, 10**6).tofile('w1.ids')"`).
 // RULE: sgd, adagrad, rowwise_adagrad, rowwise_adagrad_lazy, lazy_adam, ftrl.
 // It dedups the ids (std::sort, untimed), then times REPS one-device updates
 // (SegsumUpdate: segment sum, norm, gate, update) of a VOCAB x 128 float32
