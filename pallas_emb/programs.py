@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pallas_emb import norms, replicated_ops, shard_ops
+from pallas_emb import norms, placement, replicated_ops, shard_ops
 from pallas_emb.sharded_table import ShardedTable
 from pallas_emb.state import TableMetrics, TableResiduals, TableState, init_shard
 
@@ -49,18 +49,11 @@ def per_device(t: ShardedTable, fn: Callable, in_specs: Sequence[str], out_specs
 
   Returns:
     A function of global arrays. It first places each argument as its spec
-    says: `shard_map` requires the matching sharding already, and meshes with
-    Explicit axes (the default of `jax.make_mesh`) need `reshard` to get it,
-    Auto axes a sharding constraint.
+    says (`placement.place`): `shard_map` requires the matching sharding
+    already.
   """
   spec = lambda s: P(t.axis) if s == ROWS else P()
-  explicit = t.mesh.axis_types[t.mesh.axis_names.index(t.axis)] == jax.sharding.AxisType.Explicit
-
-  def place(x, s):
-    sharding = NamedSharding(t.mesh, spec(s))
-    if explicit:
-      return jax.tree.map(lambda leaf: jax.reshard(leaf, sharding), x)
-    return jax.lax.with_sharding_constraint(x, sharding)
+  place = lambda x, s: placement.place(x, NamedSharding(t.mesh, spec(s)))
 
   def call(*args):
     mapped = jax.shard_map(

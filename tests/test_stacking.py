@@ -26,11 +26,11 @@ FEATURES = [pe.FeatureSpec("fa", "a"), pe.FeatureSpec("fc", "c"), pe.FeatureSpec
 FEATURE_D = pe.FeatureSpec("fd", "d")
 
 
-def _emb(opt, n, stacking_mode, alone=False):
+def _emb(opt, n, stacking_mode, alone=False, kind="auto"):
   return pe.ShardedEmbedding(
     _tables(opt, alone),
     FEATURES + [FEATURE_D] * alone,
-    make_mesh(n),
+    make_mesh(n, kind=kind),
     "x",
     "xla",
     stacking=stacking_mode,
@@ -175,15 +175,19 @@ def _trainer(emb, use_async, batch):
   return tr, {"s": jnp.ones((), jnp.float32)}
 
 
-@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
-def test_trainer_stacked_equals_unstacked_and_checkpoints_cross_over(use_async, tmp_path):
+@pytest.mark.parametrize(
+  "use_async,kind",
+  [(False, "auto"), (True, "auto"), (True, "explicit")],
+  ids=["sync", "async", "async-explicit"],
+)
+def test_trainer_stacked_equals_unstacked_and_checkpoints_cross_over(use_async, kind, tmp_path):
   """Both pipelines give the same tables and metrics stacked or not; a
   checkpoint of either restores into the other (async: the pending update
   too) and the runs continue identically."""
   rng = np.random.default_rng(5)
   runs = {}
   for mode in ("off", "auto"):
-    emb = _emb(pe.RowWiseAdagrad(0.1, half_life_steps=None), 4, mode)
+    emb = _emb(pe.RowWiseAdagrad(0.1, half_life_steps=None), 4, mode, kind=kind)
     put = lambda b, emb=emb: {
       "ids": {k: jax.device_put(v, emb.sharding()) for k, v in b["ids"].items()}
     }

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
+from pallas_emb import placement
 from pallas_emb.spec import TableSpec
 from pallas_emb.stacking.plan import Group
 from pallas_emb.state import TableState
@@ -64,15 +65,15 @@ def _split(group: Group, num_shards: int, i: int, sharding, state: TableState) -
   spec, mspec = group.spec, group.tables[i]
   rps = _member_layout(mspec, num_shards).rows_per_shard
   slots = spec.optimizer.slot_specs()
-  put = lambda x: jax.lax.with_sharding_constraint(x, sharding)
-  return TableState(
-    put(_take(state.table, idx)),
-    {
-      k: put(slots[k].as_stored(_take(slots[k].as_rows(v, spec.dim), idx), spec.dim, rps))
-      for k, v in state.slots.items()
-    },
-    state.step,
-  )
+
+  def gather(table, state_slots):
+    return _take(table, idx), {
+      k: slots[k].as_stored(_take(slots[k].as_rows(v, spec.dim), idx), spec.dim, rps)
+      for k, v in state_slots.items()
+    }
+
+  table, member_slots = placement.rearrange(gather, sharding)(state.table, state.slots)
+  return TableState(table, member_slots, state.step)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
@@ -82,19 +83,19 @@ def _join(group: Group, num_shards: int, sharding, states) -> TableState:
   rps = group.layout(num_shards).rows_per_shard
   slots = spec.optimizer.slot_specs()
   cat = lambda xs: jax.numpy.concatenate(xs, axis=0)
-  put = lambda x: jax.lax.with_sharding_constraint(x, sharding)
-  return TableState(
-    put(_take(cat([s.table for s in states]), idx)),
-    {
-      k: put(
-        slots[k].as_stored(
-          _take(cat([slots[k].as_rows(s.slots[k], spec.dim) for s in states]), idx), spec.dim, rps
-        )
+
+  def gather(tables, member_slots):
+    return _take(cat(tables), idx), {
+      k: slots[k].as_stored(
+        _take(cat([slots[k].as_rows(s[k], spec.dim) for s in member_slots]), idx), spec.dim, rps
       )
-      for k in states[0].slots
-    },
-    states[0].step,
+      for k in member_slots[0]
+    }
+
+  table, group_slots = placement.rearrange(gather, sharding)(
+    [s.table for s in states], [s.slots for s in states]
   )
+  return TableState(table, group_slots, states[0].step)
 
 
 def member_state(

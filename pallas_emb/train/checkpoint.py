@@ -28,6 +28,7 @@ with `CheckpointMismatchError` before any array is read.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -36,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_emb import async_emb, programs, tokens
+from pallas_emb import async_emb, placement, programs, tokens
 from pallas_emb import state as state_lib
 from pallas_emb.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from pallas_emb.inputs import token_shape
@@ -50,9 +51,18 @@ __all__ = ["CheckpointError", "Checkpointer", "Restored"]
 log = logging.getLogger("pallas_emb.checkpoint")
 
 
-# Token gradients between the mesh's device order and per-feature arrays.
-_to_features = jax.jit(tokens.from_device_order, static_argnums=(1, 2, 3))
-_to_devices = jax.jit(tokens.to_device_order, static_argnums=(1, 2))
+# Token gradients between the mesh's device order and per-feature arrays,
+# both row-sharded (`sharding`).
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _to_features(x, names, shapes, num_shards, sharding):
+  fn = lambda x: tokens.from_device_order(x, names, shapes, num_shards)
+  return placement.rearrange(fn, sharding)(x)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _to_devices(per_feature, names, num_shards, sharding):
+  fn = lambda x: tokens.to_device_order(x, names, num_shards)
+  return placement.rearrange(fn, sharding)(per_feature)
 
 
 def _token_layout(ctx, batch_shapes: Mapping[str, Any]):
@@ -153,7 +163,9 @@ class Checkpointer:
     pending, lookup_acts = {}, {}
     for name, ctx in tr.contexts:
       names, shapes = _token_layout(ctx, batch_shapes)
-      grads = _to_features(state.pending[name].grads, names, shapes, ctx.group_size)
+      grads = _to_features(
+        state.pending[name].grads, names, shapes, ctx.group_size, tr.emb.sharding()
+      )
       pending.update(
         (t, {"pending": state.pending[name].pending, "grads": g})
         for t, g in _per_table(tr, name, grads).items()
@@ -355,7 +367,7 @@ class Checkpointer:
       names, _ = _token_layout(ctx, meta["batch_shapes"])
       routed = programs.plan(ctx.sharded_table, tuple(pending_batch["ids"][n] for n in names))
       pending[name] = async_emb.AsyncEmbGradientUpdate.from_residuals(
-        routed, _to_devices(grads, names, ctx.group_size), flag, ctx.identity
+        routed, _to_devices(grads, names, ctx.group_size, tr.emb.sharding()), flag, ctx.identity
       )
     return pending, lookups
 
