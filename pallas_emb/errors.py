@@ -41,11 +41,13 @@ class EmptyInputError(InputError):
 
 
 class MeshMismatchError(InputError):
-  """A table, context or pending update made for another device mesh."""
+  """A table, context or pending update made for another device mesh (other
+  devices, or the same devices in another order or under other axis names)."""
 
 
-class PlacementError(InputError):
-  """Ids committed to devices outside the table's mesh."""
+class PlacementError(MeshMismatchError):
+  """Ids committed to devices outside the table's mesh, or to another mesh
+  of its devices."""
 
 
 class UpdateMismatchError(InputError):

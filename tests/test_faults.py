@@ -77,13 +77,14 @@ def _trainer(optimizer=None, batch=BATCH, user_rows=500):
 def _host(tr, state) -> dict:
   """Everything a restore must bring back, as host arrays."""
   out = {"step": int(state.step)}
-  for name in state.tables:
-    out[f"{name}/table"] = tr.emb.logical_table(state.tables, name)
-    for k, v in tr.emb.logical_slots(state.tables, name).items():
-      out[f"{name}/{k}"] = v
+  for t in tr.emb.tables:  # logical tables
+    out[f"{t.name}/table"] = tr.emb.logical_table(state.tables, t.name)
+    for k, v in tr.emb.logical_slots(state.tables, t.name).items():
+      out[f"{t.name}/{k}"] = v
+  for name in state.tables:  # physical tables
     out[f"{name}/pending"] = np.asarray(state.pending[name].pending)
     out[f"{name}/grads"] = np.asarray(state.pending[name].grads)
-    out[f"{name}/step"] = int(state.tables[name].step)
+    out[f"{name}/step"] = np.asarray(state.tables[name].step)
   for i, leaf in enumerate(jax.tree.leaves((state.params, state.opt_state))):
     out[f"dense/{i}"] = np.asarray(leaf)
   return out
@@ -491,21 +492,70 @@ def test_ids_on_other_devices_are_refused():
   np.testing.assert_array_equal(np.asarray(acts["f"]), np.asarray(want["f"]))
 
 
-def test_tables_of_another_mesh_are_refused_and_untouched():
+# Meshes that are not make_mesh(8): other devices, the same devices in
+# another order, the same devices under another axis name.
+OTHER_MESHES = {
+  "devices": (
+    lambda d: jax.sharding.Mesh(np.array(d[:8]), ("x",)),
+    "x",
+    "[0, 1, 2, 3, 4, 5, 6, 7]",
+  ),
+  "order": (
+    lambda d: jax.sharding.Mesh(np.array(d[8:0:-1]), ("x",)),
+    "x",
+    "[8, 7, 6, 5, 4, 3, 2, 1]",
+  ),
+  "axis": (lambda d: jax.sharding.Mesh(np.array(d[1:9]), ("y",)), "y", "[1, 2, 3, 4, 5, 6, 7, 8]"),
+}
+
+
+@pytest.mark.parametrize("kind", OTHER_MESHES)
+def test_tables_of_another_mesh_are_refused_and_untouched(kind):
+  """Every entry refuses state of another mesh with MeshMismatchError naming
+  both meshes, before any jitted call (JAX's own error is a ValueError)."""
+  make, axis, devices = OTHER_MESHES[kind]
   emb = _small(make_mesh(8))
-  other = dataclasses.replace(emb, mesh=jax.sharding.Mesh(np.array(jax.devices()[:8]), ("x",)))
+  other = dataclasses.replace(emb, mesh=make(jax.devices()), axis=axis)
   tables = other.init(jax.random.key(0))
   before = other.logical_table(tables, "t")
   ids = {"f": np.arange(16, dtype=np.int32).reshape(8, 2)}
-  with pytest.raises(MeshMismatchError, match=r"table 't' .* devices \[0, 1, 2, 3, 4, 5, 6, 7\]"):
+  both = (
+    rf"table 't'.* is on the mesh {{'{axis}': 8}} over devices \{devices[:-1]}\], but expected "
+  )
+  both += r"the mesh {'x': 8} over devices \[1, 2, 3, 4, 5, 6, 7, 8\]"
+  with pytest.raises(MeshMismatchError, match=both):
     emb.lookup(tables, ids)
-  _, res = emb.lookup(emb.init(jax.random.key(0)), ids)
+  with pytest.raises(MeshMismatchError, match=both):
+    emb.logical_table(tables, "t")
+  mine = emb.init(jax.random.key(0))
+  _, res = emb.lookup(mine, ids)
   with pytest.raises(MeshMismatchError):
     emb.apply_gradients(tables, res, {"f": np.ones((8, 8), np.float32)})
+  with pytest.raises(PlacementError, match="expected the mesh"):  # a MeshMismatchError
+    emb.lookup(mine, {"f": jax.device_put(ids["f"], other.sharding())})
   np.testing.assert_array_equal(other.logical_table(tables, "t"), before)
   ctx = async_emb.context_handles(emb, ids)["t"]
-  with pytest.raises(MeshMismatchError):
+  with pytest.raises(MeshMismatchError, match=both):
     async_emb.lookup_start(ctx, tables["t"].table, ids)
+  state = pe.EmbOptState(tables["t"].slots, tables["t"].step)
+  with pytest.raises(MeshMismatchError, match=both):
+    async_emb.gradient_update_start(
+      ctx, async_emb.empty_gradient_update(ctx), tables["t"].table, state
+    )
+  assert not ctx.in_flight
+  # The async context of the other mesh refuses this mesh's table.
+  other_ctx = async_emb.context_handles(other, ids)["t"]
+  with pytest.raises(MeshMismatchError, match="expected the mesh"):
+    async_emb.lookup_start(other_ctx, mine["t"].table, ids)
+  tr = pe.make_trainer(
+    emb,
+    lambda p, a, b: (0.0, {}),
+    optax.sgd(0.0),
+    pe.TrainConfig(use_async_emb=False),
+    {"ids": ids},
+  )
+  with pytest.raises(MeshMismatchError, match="the train state is on the mesh"):
+    tr.step(pe.TrainState({}, (), tables, {}, {}, jnp.zeros((), jnp.int32)), {"ids": ids})
 
 
 def _async(name, mesh):
