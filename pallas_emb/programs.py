@@ -80,7 +80,9 @@ def init(t: ShardedTable, key: jax.Array) -> TableState:
     return init_shard(t.spec, t.layout, k, shard, t.members)
 
   table, slots = per_device(t, fn, [REPLICATED], _stored(t))(key)
-  return TableState(table, slots, jnp.zeros((), jnp.int32))
+  return TableState(
+    table, slots, jnp.zeros(() if t.members is None else (t.members.count,), jnp.int32)
+  )
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -73,7 +73,7 @@ def _split(group: Group, num_shards: int, i: int, sharding, state: TableState) -
     }
 
   table, member_slots = placement.rearrange(gather, sharding)(state.table, state.slots)
-  return TableState(table, member_slots, state.step)
+  return TableState(table, member_slots, state.step[i] if group.members is not None else state.step)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
@@ -95,7 +95,8 @@ def _join(group: Group, num_shards: int, sharding, states) -> TableState:
   table, group_slots = placement.rearrange(gather, sharding)(
     [s.table for s in states], [s.slots for s in states]
   )
-  return TableState(table, group_slots, states[0].step)
+  step = jax.numpy.stack([s.step for s in states]) if group.members is not None else states[0].step
+  return TableState(table, group_slots, step)
 
 
 def member_state(
@@ -103,7 +104,7 @@ def member_state(
 ) -> TableState:
   """Member `table`'s state as if it were stored alone (its own physical
   layout over `num_shards`, row-sharded by `sharding`), from its group's
-  `state`; it shares the group's step."""
+  `state`, with its own step (a stack's step is (M,), one per member)."""
   if group.members is None and not group.replicated:
     return state
   return _split(group, num_shards, [t.name for t in group.tables].index(table), sharding, state)
@@ -125,8 +126,8 @@ def group_state(
   group: Group, num_shards: int, sharding, states: Mapping[str, TableState]
 ) -> TableState:
   """The inverse of `member_states`: the group's state from each member's
-  own (the step of the group is its first member's). `sharding`: the
-  group's placement."""
+  own (a stack's step: the members' steps, (M,)). `sharding`: the group's
+  placement."""
   if group.members is None and not group.replicated:
     return states[group.name]
   return _join(group, num_shards, sharding, tuple(states[t.name] for t in group.tables))
