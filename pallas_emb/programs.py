@@ -189,3 +189,19 @@ def empty_residuals(t: ShardedTable, tokens_per_shard: int) -> tuple[TableResidu
   """Residuals and zero token gradients of a batch that routes nothing."""
   fn = lambda: _ops(t).empty_shard(t, tokens_per_shard)
   return per_device(t, fn, [], ROWS)()
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def token_rows(t: ShardedTable, token_slot: jax.Array, send_keys: jax.Array) -> jax.Array:
+  """(S * tokens_per_shard,) int32 the logical row (of a stack: the stacked
+  row) each token's gradient updates, -1 for none (padding, invalid, dropped
+  for capacity): what a pending update applies, without its routing.
+
+  `token_slot`, `send_keys`: its `RoutePlan`'s (an `AsyncEmbGradientUpdate`'s
+  `segment_ids` and `unique_tokens`).
+  """
+
+  def fn(slot, keys):
+    return jnp.where(slot >= 0, t.layout.logical_of(keys[jnp.maximum(slot, 0)]), -1)
+
+  return per_device(t, fn, [ROWS, ROWS], ROWS)(token_slot, send_keys)

@@ -56,21 +56,21 @@ BATCH = 64
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 
-def _trainer(optimizer=None, batch=BATCH, user_rows=500):
-  """conftest's small job, or one like it with another optimizer, batch or
-  table (only ever restored into, which fails before compiling)."""
-  if (optimizer, batch, user_rows) == (None, BATCH, 500):
+def _trainer(optimizer=None, batch=BATCH, user_rows=500, devices=8, config=pe.TrainConfig()):
+  """conftest's small job, or one like it with another optimizer, batch,
+  table, device count or pipeline."""
+  if (optimizer, batch, user_rows, devices, config) == (None, BATCH, 500, 8, pe.TrainConfig()):
     return small_trainer()
   dataset = data_lib.SyntheticClickLog(num_users=user_rows, num_items=300, eval_examples=256)
   emb, model = build_ranking(
     dataset,
-    make_mesh(8),
+    make_mesh(devices),
     emb_dim=8,
     backend="xla",
     optimizer=optimizer or pe.RowWiseAdagrad(0.05, half_life_steps=None),
   )
   feeder = GlobalBatches(dataset, batch, emb.sharding())
-  trainer = pe.make_trainer(emb, model.loss, optax.adam(1e-3), pe.TrainConfig(), feeder.train(0))
+  trainer = pe.make_trainer(emb, model.loss, optax.adam(1e-3), config, feeder.train(0))
   return trainer, model, feeder
 
 
@@ -326,10 +326,63 @@ def test_restore_with_another_optimizer_is_refused(saved):
     Checkpointer(saved["dir"], tr).restore(saved["template"], feeder.train)
 
 
-def test_restore_with_another_batch_size_is_refused(saved):
-  tr, _, feeder = _trainer(batch=2 * BATCH)
-  with pytest.raises(CheckpointMismatchError, match=r"batch size"):
-    Checkpointer(saved["dir"], tr).restore(saved["template"], feeder.train)
+def _logical(tr, state) -> dict:
+  """Every logical table's table, slots and own step, as host arrays."""
+  out = {}
+  for name, ts in tr.emb.member_states(state.tables).items():
+    out[f"{name}/table"] = tr.emb.logical_table(state.tables, name)
+    out.update((f"{name}/{k}", v) for k, v in tr.emb.logical_slots(state.tables, name).items())
+    out[f"{name}/step"] = int(ts.step)
+  return out
+
+
+def _flushed_at(saved, step):
+  """The saved run's state at `step`, restored as saved (bit for bit) and
+  flushed: a run that flushed at that step."""
+  state, _ = saved["trainer"].flush(_restore(saved, saved["dir"], step).state)
+  return state
+
+
+def test_restore_under_another_batch_size_equals_a_run_flushed_there(saved):
+  """The async checkpoint of step 3 (step 2's gradient pending) restores
+  into a trainer of twice the batch: the pending update is applied at
+  restore, and the run continues exactly as the saved run flushed at step 3
+  and continued with the bigger batches."""
+  ref = _flushed_at(saved, 3)
+  tr, model, feeder = _trainer(batch=2 * BATCH)
+  template = tr.init(model.init(jax.random.key(1)), tr.emb.init(jax.random.key(2)), feeder.train(0))
+  got = Checkpointer(saved["dir"], tr).restore(template, feeder.train, step=3)
+  want = tr.init(ref.params, ref.tables, feeder.train(3))._replace(
+    opt_state=ref.opt_state, step=ref.step
+  )
+  assert int(got.step) == 3 and not any(bool(u.pending) for u in got.pending.values())
+  _assert_same(_logical(tr, got), _logical(tr, want))
+  assert _logical(tr, want) != {}
+  for t in (3, 4):
+    got, m_got = tr.step(got, feeder.train(t), feeder.train(t + 1))
+    want, m_want = tr.step(want, feeder.train(t), feeder.train(t + 1))
+    assert float(m_got["loss"]) == float(m_want["loss"])
+  _assert_same(_logical(tr, got), _logical(tr, want))
+
+
+def test_restore_into_the_sync_pipeline_on_other_devices_applies_the_pending_update(saved):
+  """--noasync_emb on 6 devices with batches of 48 (the saved 64 do not
+  split over 6: padded): the tables are the saved run's flushed at that
+  step (to rounding: the per-row sums are added in another order)."""
+  ref = _logical(saved["trainer"], _flushed_at(saved, 3))
+  tr, model, feeder = _trainer(batch=48, devices=6, config=pe.TrainConfig(use_async_emb=False))
+  template = tr.init(model.init(jax.random.key(1)), tr.emb.init(jax.random.key(2)), feeder.train(0))
+  got = Checkpointer(saved["dir"], tr).restore(template, feeder.train, step=3)
+  assert got.pending == {} and got.lookups == {}
+  restored = _logical(tr, got)
+  assert sorted(restored) == sorted(ref)
+  for k, v in ref.items():
+    np.testing.assert_allclose(restored[k], v, rtol=1e-6, atol=1e-7, err_msg=k)
+  # The pending update was applied: one more update than the saved state's.
+  unflushed = _logical(saved["trainer"], _restore(saved, saved["dir"], 3).state)
+  assert restored["user/step"] == unflushed["user/step"] + 1
+  _, m = tr.step(got, feeder.train(3))
+  assert np.isfinite(float(m["loss"]))
 
 
 def test_restore_with_another_table_is_refused(saved):
