@@ -17,9 +17,15 @@ import jax
 from jax.sharding import AxisType, NamedSharding
 
 
-def is_explicit(mesh) -> bool:
-  """Whether any axis of `mesh` is Explicit."""
-  return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+def is_explicit(sharding: NamedSharding) -> bool:
+  """Whether arrays placed at `sharding` carry it in their type: some axis
+  of its mesh is Explicit and its spec names no Auto axis (a mesh may mix
+  both kinds)."""
+  mesh = sharding.mesh
+  types = dict(zip(mesh.axis_names, mesh.axis_types))
+  named = [a for part in sharding.spec if part is not None for a in jax.tree.leaves(part)]
+  explicit = lambda a: types[a] == AxisType.Explicit
+  return any(map(explicit, types)) and all(map(explicit, named))
 
 
 def place(tree, sharding: NamedSharding):
@@ -28,7 +34,7 @@ def place(tree, sharding: NamedSharding):
   Explicit axes need `jax.reshard` (a sharding constraint does not change
   an array's type), Auto axes a sharding constraint.
   """
-  if is_explicit(sharding.mesh):
+  if is_explicit(sharding):
     return jax.tree.map(lambda x: jax.reshard(x, sharding), tree)
   return jax.lax.with_sharding_constraint(tree, sharding)
 
@@ -43,7 +49,7 @@ def rearrange(fn: Callable, sharding: NamedSharding) -> Callable:
   """
 
   def call(*args):
-    if not is_explicit(sharding.mesh):
+    if not is_explicit(sharding):
       return place(fn(*args), sharding)
     # The results' structure, traced without shardings (the sharded trace is
     # what Explicit axes refuse).
