@@ -122,6 +122,7 @@ class Checkpointer:
 
     Raises:
       CheckpointDirError: the write failed (permissions, full disk...).
+      MeshMismatchError: `state` is not on this trainer's mesh.
     """
     tr = self.trainer
     tr.emb.check_on_mesh(state, "the train state")
