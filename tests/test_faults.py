@@ -715,6 +715,11 @@ def test_supervisor_reads_which_process_was_lost(tmp_path):
   assert supervisor.lost_processes(_PEER_DIED) == ([1, 3], "it stopped sending heartbeats")
   assert supervisor.lost_processes(_LEADER_DIED)[0] == [0]
   assert supervisor.lost_processes("Traceback ...\nValueError: a bug\n") is None
+  # A peer killed inside a collective: gloo aborts the worker, often before
+  # the coordination service has declared the peer lost.
+  broke = "F1204 pair.cc:555] Received data size doesn't match expected size. Is there ..."
+  assert supervisor.lost_processes(broke, [1]) == ([1], "a collective with it broke off")
+  assert supervisor.lost_processes(broke, [0, 2, 3]) == ([], "a collective with it broke off")
   for step in ("10", "20", "30.corrupt", "40.orbax-checkpoint-tmp"):
     os.makedirs(tmp_path / "ck" / step)
   argv = ["--num_processes", "4", "--process_id=2", f"--checkpoint_dir={tmp_path}/ck"]

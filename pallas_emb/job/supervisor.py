@@ -14,7 +14,9 @@ process, the worker, and stays as its supervisor (it imports nothing heavy):
 it echoes the worker's stderr, and when the coordination service stopped the
 worker, it says which process was lost and the newest checkpoint step in
 --checkpoint_dir, then exits with `EXIT_PEER_LOST`. Any other exit of the
-worker is passed through.
+worker is passed through, but for one case: a collective (gloo, over TCP)
+that broke off because its peer died aborts the worker, often before the
+coordination service has declared the peer lost; that is a lost peer too.
 
 The step is read from the directory, not from the worker: a process lost
 during a save stops the others inside that save, after the step was
@@ -38,6 +40,14 @@ _WORKER_ENV = "PALLAS_EMB_SUPERVISED"
 _FATAL = "Terminating process because the JAX distributed service detected fatal errors"
 _UNHEALTHY = "tasks are unhealthy"
 _LEADER_GONE = "Failed to send RPC to coordination service"
+# What a cross-process collective (gloo, over TCP) logs when its peer died
+# during it. The worker aborts on it, often before the coordination service
+# has noticed the loss, so it is a lost peer too; gloo does not say which.
+_COLLECTIVE_BROKEN = (
+  "Connection closed by peer",
+  "Received data size doesn't match expected size",
+  "gloo/transport/tcp",
+)
 
 
 def _flag(argv: list[str], name: str, env: str | None = None) -> str | None:
@@ -73,10 +83,14 @@ def newest_checkpoint(directory: str | None) -> int | None:
   return max(steps, default=None)
 
 
-def lost_processes(log: str) -> tuple[list[int], str] | None:
+def lost_processes(log: str, peers: list[int] = ()) -> tuple[list[int], str] | None:
   """(ids, cause) of the processes the coordination service declared lost
-  in a worker's stderr; None when it did not stop the worker."""
+  in a worker's stderr, or whose collective broke under the worker; None
+  when neither stopped it. `peers`: the other processes' ids (the one lost
+  when a collective broke with a single peer; else the ids are unknown: [])."""
   if _FATAL not in log:
+    if any(s in log for s in _COLLECTIVE_BROKEN):
+      return (list(peers) if len(peers) == 1 else []), "a collective with it broke off"
     return None
   if _LEADER_GONE in log:
     return [0], "the coordinator, process 0, is unreachable"
@@ -143,7 +157,10 @@ def supervise(argv: list[str]) -> int:
     sys.stderr.flush()
     tail.append(line)
   code = worker.wait()
-  lost = lost_processes("".join(tail)) if code else None
+  num = _int_flag(argv, "num_processes", "JAX_NUM_PROCESSES") or 1
+  me = _int_flag(argv, "process_id", "JAX_PROCESS_ID")
+  peers = [i for i in range(num) if i != me]
+  lost = lost_processes("".join(tail), peers) if code else None
   if lost is None:
     return code if code >= 0 else 128 - code
   print(_report(argv, *lost), file=sys.stderr, flush=True)
