@@ -19,14 +19,13 @@
 #include <mutex>
 #include <vector>
 
-#include "xla/ffi/api/ffi.h"
-
 namespace pallas_emb {
 
 // Runs fn(i) for i in [0, n), on the calling thread and up to n - 1 tasks of
-// `pool`; returns when every call returned.
-inline void ParallelFor(xla::ffi::ThreadPool* pool, int n,
-                        const std::function<void(int)>& fn) {
+// `pool`; returns when every call returned. Pool: xla::ffi::ThreadPool, or
+// any class with its num_threads() and Schedule(task).
+template <class Pool>
+void ParallelFor(Pool* pool, int n, const std::function<void(int)>& fn) {
   if (n <= 0) return;
   if (pool == nullptr || n == 1 || pool->num_threads() <= 1) {
     for (int i = 0; i < n; ++i) fn(i);

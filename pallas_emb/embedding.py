@@ -177,10 +177,12 @@ class ShardedEmbedding:
 
   def member_states(self, tables: Mapping[str, TableState]) -> dict[str, TableState]:
     """Logical table -> its state as if stored alone (stacking off)."""
+    self.check_on_mesh(tables)
     return stacking_state.member_states(self.groups, self.num_shards, self.sharding(), tables)
 
   def from_member_states(self, states: Mapping[str, TableState]) -> dict[str, TableState]:
     """The inverse of `member_states`: logical -> physical states."""
+    self.check_on_mesh(states)
     return {
       g.name: stacking_state.group_state(g, self.num_shards, self.table_sharding(g.name), states)
       for g in self.groups
@@ -212,6 +214,11 @@ class ShardedEmbedding:
   def check_tables(self, tables: Mapping[str, TableState], names, *, slots: bool = True) -> None:
     """Validates that `tables[name]` for each name fits its spec and mesh."""
     validate.check_tables(tables, names, self.table_spec, self.layout, slots=slots, mesh=self.mesh)
+
+  def check_on_mesh(self, tree, what: str = "a table state") -> None:
+    """Refuses (`MeshMismatchError`) device arrays of `tree` on another mesh."""
+    fix = "pass arrays of this embedding's mesh (its init(), lookup(), a restored checkpoint)."
+    validate.check_on_mesh(tree, self.mesh, what, fix)
 
   def _tables_of(self, ids) -> dict[str, ShardedTable]:
     return {name: self.sharded_table(name, n) for name, n in self.check_ids(ids).items()}
@@ -283,6 +290,7 @@ class ShardedEmbedding:
 
   def _member_state(self, tables, table: str) -> TableState:
     g = self.group_of(table)
+    self.check_on_mesh(tables[g.name], f"table {table!r}")
     return stacking_state.member_state(g, self.num_shards, self.sharding(), tables[g.name], table)
 
   # -- the step ---------------------------------------------------------------
@@ -357,6 +365,7 @@ class ShardedEmbedding:
       table's own, unclipped norm).
     """
     self.check_tables(tables, residuals)
+    self.check_on_mesh((residuals, grads), "the residuals or gradients")
     check_max_norm(max_global_norm, "max_global_norm")
     tables, metrics = dict(tables), {}
     gate = jnp.asarray(gate, jnp.bool_)

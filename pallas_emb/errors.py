@@ -1,38 +1,43 @@
 """The exception types of pallas_emb.
 
 Every error names the offending value, the limit it broke and the fix. All are
-subclasses of the builtin a caller would catch anyway (`ValueError` for a bad
-argument or checkpoint, `RuntimeError` for a call out of order, `OSError`
-for a directory that cannot be written).
+`PallasEmbError`s, and subclasses of the builtin a caller would catch anyway
+(`ValueError` for a bad argument or checkpoint, `RuntimeError` for a call out
+of order, `OSError` for a directory that cannot be written).
 """
 
 import numbers
 
 
-class SpecError(ValueError):
+class PallasEmbError(Exception):
+  """The base of every exception type here: `except PallasEmbError` catches
+  the library's own errors (the main job prints them as one line)."""
+
+
+class SpecError(PallasEmbError, ValueError):
   """A TableSpec, FeatureSpec or optimizer was built with invalid arguments."""
 
 
-class InputError(ValueError):
+class InputError(PallasEmbError, ValueError):
   """Arrays passed to lookup or update do not match the specs (name, dtype,
   shape, sharding)."""
 
 
-class BackendError(ValueError):
+class BackendError(PallasEmbError, ValueError):
   """An unknown backend, or a backend that cannot run on this platform."""
 
 
-class VmemBudgetError(ValueError):
+class VmemBudgetError(PallasEmbError, ValueError):
   """A kernel's chunk size needs more VMEM than the target chip has."""
 
 
-class ConfigError(ValueError):
+class ConfigError(PallasEmbError, ValueError):
   """A configuration that cannot work, refused before anything is traced: a
   TrainConfig whose optimizer cannot fuse, or a kernel's chunk size,
   interpret mode or target chip."""
 
 
-class AsyncEmbStateError(RuntimeError):
+class AsyncEmbStateError(PallasEmbError, RuntimeError):
   """An asynchronous embedding call made out of order (start/done/lookup)."""
 
 
@@ -41,18 +46,20 @@ class EmptyInputError(InputError):
 
 
 class MeshMismatchError(InputError):
-  """A table, context or pending update made for another device mesh."""
+  """A table, context or pending update made for another device mesh (other
+  devices, or the same devices in another order or under other axis names)."""
 
 
-class PlacementError(InputError):
-  """Ids committed to devices outside the table's mesh."""
+class PlacementError(MeshMismatchError):
+  """Ids committed to devices outside the table's mesh, or to another mesh
+  of its devices."""
 
 
 class UpdateMismatchError(InputError):
   """A pending `AsyncEmbGradientUpdate` handed to another table's context."""
 
 
-class CheckpointError(ValueError):
+class CheckpointError(PallasEmbError, ValueError):
   """A checkpoint that cannot be restored into the trainer at hand."""
 
 
@@ -65,7 +72,7 @@ class CheckpointCorruptError(CheckpointError):
   """No checkpoint step (or not the one asked for) reads back intact."""
 
 
-class CheckpointDirError(OSError):
+class CheckpointDirError(PallasEmbError, OSError):
   """A checkpoint directory that cannot be written (checked before training,
   and on every save)."""
 

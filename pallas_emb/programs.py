@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pallas_emb import norms, replicated_ops, shard_ops
+from pallas_emb import norms, placement, replicated_ops, shard_ops
 from pallas_emb.sharded_table import ShardedTable
 from pallas_emb.state import TableMetrics, TableResiduals, TableState, init_shard
 
@@ -49,18 +49,11 @@ def per_device(t: ShardedTable, fn: Callable, in_specs: Sequence[str], out_specs
 
   Returns:
     A function of global arrays. It first places each argument as its spec
-    says: `shard_map` requires the matching sharding already, and meshes with
-    Explicit axes (the default of `jax.make_mesh`) need `reshard` to get it,
-    Auto axes a sharding constraint.
+    says (`placement.place`): `shard_map` requires the matching sharding
+    already.
   """
   spec = lambda s: P(t.axis) if s == ROWS else P()
-  explicit = t.mesh.axis_types[t.mesh.axis_names.index(t.axis)] == jax.sharding.AxisType.Explicit
-
-  def place(x, s):
-    sharding = NamedSharding(t.mesh, spec(s))
-    if explicit:
-      return jax.tree.map(lambda leaf: jax.reshard(leaf, sharding), x)
-    return jax.lax.with_sharding_constraint(x, sharding)
+  place = lambda x, s: placement.place(x, NamedSharding(t.mesh, spec(s)))
 
   def call(*args):
     mapped = jax.shard_map(
@@ -87,7 +80,9 @@ def init(t: ShardedTable, key: jax.Array) -> TableState:
     return init_shard(t.spec, t.layout, k, shard, t.members)
 
   table, slots = per_device(t, fn, [REPLICATED], _stored(t))(key)
-  return TableState(table, slots, jnp.zeros((), jnp.int32))
+  return TableState(
+    table, slots, jnp.zeros(() if t.members is None else (t.members.count,), jnp.int32)
+  )
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -194,3 +189,19 @@ def empty_residuals(t: ShardedTable, tokens_per_shard: int) -> tuple[TableResidu
   """Residuals and zero token gradients of a batch that routes nothing."""
   fn = lambda: _ops(t).empty_shard(t, tokens_per_shard)
   return per_device(t, fn, [], ROWS)()
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def token_rows(t: ShardedTable, token_slot: jax.Array, send_keys: jax.Array) -> jax.Array:
+  """(S * tokens_per_shard,) int32 the logical row (of a stack: the stacked
+  row) each token's gradient updates, -1 for none (padding, invalid, dropped
+  for capacity): what a pending update applies, without its routing.
+
+  `token_slot`, `send_keys`: its `RoutePlan`'s (an `AsyncEmbGradientUpdate`'s
+  `segment_ids` and `unique_tokens`).
+  """
+
+  def fn(slot, keys):
+    return jnp.where(slot >= 0, t.layout.logical_of(keys[jnp.maximum(slot, 0)]), -1)
+
+  return per_device(t, fn, [ROWS, ROWS], ROWS)(token_slot, send_keys)

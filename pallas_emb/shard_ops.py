@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from pallas_emb import kernels, norms, pooling
 from pallas_emb.inputs import token_shape
+from pallas_emb.optimizers.base import reads_step
 from pallas_emb.sharded_table import ShardedTable
 from pallas_emb.stacking import members as members_lib
 from pallas_emb.state import TableMetrics, TableResiduals
@@ -227,8 +228,8 @@ def update_shard(
     does not advance, unless the global gradient norm is finite, `gate` is
     True and some id has a row (an update with no rows, e.g. a batch of
     padding, is nothing to apply). Of a stack, each member is gated alone
-    (its metrics are (M,)); the stack's one step advances when any member
-    is applied.
+    (its metrics are (M,)) and `step` is (M,): each member's advances when
+    it is applied.
   """
   if t.members is not None:
     update = _update_stack
@@ -304,8 +305,9 @@ def _update_table(t: ShardedTable, table, slots, step, res, token_grads, gate, c
 
 
 def _update_stack(t: ShardedTable, table, slots, step, res, token_grads, gate, clip):
-  """A stack: each member has its own norm, gate and clip; the rows of a
-  member not applied leave the update (`members.keep_rows`)."""
+  """A stack: each member has its own norm, gate, clip and step (`step` is
+  (M,)); the rows of a member not applied leave the update
+  (`members.keep_rows`)."""
   n, rows = t.members.count, res.plan.owner_rows
   grads = to_owners(res.plan, token_grads, axis_name=t.axis)
   member = members_lib.member_of_local(t.members, t.layout, rows, jax.lax.axis_index(t.axis))
@@ -318,12 +320,44 @@ def _update_stack(t: ShardedTable, table, slots, step, res, token_grads, gate, c
   if scale is not None:
     per_row = jnp.concatenate([jnp.broadcast_to(scale, (n,)), jnp.ones((1,))])
     grads = grads * per_row[member][:, None]
-  rows, grads = members_lib.keep_rows(
-    rows, grads, jnp.concatenate([apply, jnp.zeros((1,), bool)])[member]
-  )
-  write = jnp.any(apply)
-  table, slots = fused_update(t, table, slots, step, rows, grads, write)
-  return table, slots, norm, apply, write, owner_demand
+  table, slots = _update_members(t, table, slots, step, rows, grads, member, apply)
+  return table, slots, norm, apply, apply, owner_demand
+
+
+def _update_members(t: ShardedTable, table, slots, steps, rows, grads, member, apply):
+  """The fused update of the rows of a stack's applied members, each at its
+  own step: a member skipped or without ids does not advance, so that it
+  trains bit for bit as it would alone.
+
+  One fused update of all of them when the optimizer's row math does not
+  read the step (`reads_step`); otherwise one per distinct step among the
+  applied members (one as long as no member was ever left behind), in a
+  loop that runs as often as there are such steps.
+
+  Args:
+    steps: (M,) int32 each member's updates so far.
+    rows, grads, member: (C,) owner rows, (C, D) their gradients, (C,) the
+      member of each row (M: none).
+    apply: (M,) bool.
+  """
+
+  def update(table, slots, members, step):
+    keep = jnp.concatenate([members, jnp.zeros((1,), bool)])[member]
+    kept_rows, kept_grads = members_lib.keep_rows(rows, grads, keep)
+    return fused_update(t, table, slots, step, kept_rows, kept_grads, jnp.any(members))
+
+  if not reads_step(t.spec.optimizer, t.spec.dim):
+    return update(table, slots, apply, steps[0])
+
+  def one_step(carry):
+    table, slots, todo = carry
+    step = steps[jnp.argmax(todo)]
+    at_step = todo & (steps == step)
+    table, slots = update(table, slots, at_step, step)
+    return table, slots, todo & ~at_step
+
+  table, slots, _ = jax.lax.while_loop(lambda c: jnp.any(c[2]), one_step, (table, slots, apply))
+  return table, slots
 
 
 def _metrics(t: ShardedTable, res: TableResiduals, norm, apply, owner_demand) -> TableMetrics:

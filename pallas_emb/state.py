@@ -32,7 +32,8 @@ class TableState(NamedTuple):
     table: (num_shards * rows_per_shard, storage_width) float32, or uint32
       words for bfloat16 (see `packing`). Physical row order of the layout.
     slots: slot name -> (num_shards * rows_per_shard, width) float32 | int32.
-    step: () int32, updates applied so far (the step of schedules).
+    step: () int32, updates applied so far (the step of schedules); of a
+      stack of tables (M,), each member's own.
   """
 
   table: jax.Array

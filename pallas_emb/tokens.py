@@ -33,6 +33,8 @@ def split_tokens(tokens: jax.Array, shapes: Sequence[tuple[int, int]]) -> list[j
 
 
 # -- global arrays --------------------------------------------------------------
+# They reshape the sharded dimension: on a mesh with Explicit axes, call them
+# through `placement.rearrange`.
 
 
 def to_device_order(

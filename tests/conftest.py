@@ -76,15 +76,23 @@ def child_env(**extra: str) -> dict[str, str]:
   return env
 
 
-def make_mesh(num_devices: int = NUM_DEVICES, axis: str = "x") -> jax.sharding.Mesh:
-  """A 1-D mesh over devices 1..num_devices (device 0 is kept free)."""
+MESH_KINDS = ("auto", "explicit")
+
+
+def make_mesh(num_devices: int = NUM_DEVICES, axis: str = "x", kind: str = "auto"):
+  """A 1-D mesh over devices 1..num_devices (device 0 is kept free).
+
+  `kind`: "auto" (`jax.sharding.Mesh`'s default axis type) or "explicit"
+  (`jax.make_mesh`'s): every public API must work on both.
+  """
   devices = jax.devices()
   if len(devices) < num_devices + 1:
     raise RuntimeError(
       f"need {num_devices + 1} devices, have {len(devices)}: XLA_FLAGS was "
       "set after JAX initialised its backends"
     )
-  return jax.sharding.Mesh(np.array(devices[1 : num_devices + 1]), (axis,))
+  types = {"auto": jax.sharding.AxisType.Auto, "explicit": jax.sharding.AxisType.Explicit}[kind]
+  return jax.sharding.Mesh(np.array(devices[1 : num_devices + 1]), (axis,), axis_types=(types,))
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -92,6 +100,12 @@ def _release_compiled_programs():
   yield
   jax.clear_caches()
   small_trainer.cache_clear()
+
+
+@pytest.fixture(params=MESH_KINDS)
+def mesh_kind(request) -> str:
+  """Each mesh kind in turn ("auto", "explicit"), for `make_mesh(kind=)`."""
+  return request.param
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import child_env
 
-from pallas_emb.bench import plot, workloads
+from pallas_emb.bench import optimizers, plot, workloads
 from pallas_emb.bench import report as bench_report
 from pallas_emb.kernels import native_lib
 from pallas_emb.kernels.backend import default_backend
@@ -34,7 +34,7 @@ def test_bench_writes_the_documented_schema(tmp_path):
       "timeout",
       "-k",
       "5",
-      "300",
+      "600",
       sys.executable,
       "-m",
       "pallas_emb.bench",
@@ -49,6 +49,8 @@ def test_bench_writes_the_documented_schema(tmp_path):
       "--pipeline_steps=2",
       "--pipeline_devices=2",
       "--pipeline_batch_size=64",
+      "--optimizers=lazy_adam",
+      "--optimizer_vocab=2000",
       f"--plot={tmp_path}/b.png",
     ],
     cwd=REPO,
@@ -58,7 +60,8 @@ def test_bench_writes_the_documented_schema(tmp_path):
   )
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   r = json.loads(out.read_text())
-  assert {"cpus", "jax", "copy_bandwidth_gbps"} <= set(r["machine"])
+  assert {"cpus", "jax", "copy_bandwidth_gbps", "copy_bandwidth_end_gbps"} <= set(r["machine"])
+  assert {"load_avg_at_start", "load_avg_at_end"} <= set(r["machine"])
   assert [w["vocab"] for w in r["workloads"]] == [1000, 20000]
   for w in r["workloads"]:
     assert {"vocab", "ids", "dim", "unique", "floor_ms", "methods"} <= set(w)
@@ -80,6 +83,17 @@ def test_bench_writes_the_documented_schema(tmp_path):
       stages = STAGES[p["backend"]]
       assert set(p["stages_ms"]) == stages
       assert all(v >= 0 for v in p["stages_ms"].values()) and p["stages_ms"]["step"] > 0
+  # Each optimizer against FBGEMM's nearest, with its fused step's stages.
+  opt = r["optimizers"]
+  assert (opt["vocab"], opt["ids"]) == (2000, 512)
+  assert [row["optimizer"] for row in opt["rows"]] == ["lazy_adam"]
+  for row in opt["rows"]:
+    fbgemm = "fbgemm" not in r["skipped"]
+    assert set(row["methods"]) == {"fused"} | ({"fbgemm"} if fbgemm else set())
+    assert row["fbgemm_optimizer"] == ("EXACT_ROWWISE_ADAGRAD" if fbgemm else None)
+    assert row["floor_ms"] > 0 and row["methods"]["fused"]["steps"] == 3
+    assert set(row["profile"]["stages_ms"]) == STAGES[row["profile"]["backend"]]
+  assert opt["rows"][0]["note"]  # LazyAdam has no FBGEMM CPU counterpart
   assert set(r["pipelines"]) == {"async", "exact"}
   assert all(p["examples_per_sec"] > 0 for p in r["pipelines"].values())
   assert (tmp_path / "b.png").stat().st_size > 0
@@ -131,7 +145,8 @@ def test_report_rewrites_only_the_readme_results_section():
     },
     "profile": {"fused": {"backend": "native", "stages_ms": {"dedup": 1.0, "step": 5.0}}},
   }
-  results = {"machine": {"cpu": "AMD EPYC", "cpus": 2}, "workloads": [w]}
+  quiet = {"load_avg_at_start": [0.3, 0.2, 0.1], "load_avg_at_end": [0.6, 0.3, 0.1]}
+  results = {"machine": {"cpu": "AMD EPYC", "cpus": 2, **quiet}, "workloads": [w]}
   readme = open(os.path.join(REPO, "README.md")).read()
   new = bench_report.update_readme(readme, results)
   row = (
@@ -141,3 +156,56 @@ def test_report_rewrites_only_the_readme_results_section():
   start, end = new.index(bench_report.BEGIN), new.index(bench_report.END)
   assert new[:start] == readme[: readme.index(bench_report.BEGIN)]
   assert new[end:] == readme[readme.index(bench_report.END) :]
+
+
+def _optimizer_results(load_at_end):
+  w = {
+    "vocab": 1_000_000,
+    "ids": 65536,
+    "dim": 128,
+    "unique": 28768,
+    "floor_ms": 2.0,
+    "methods": {"fused": {"median_ms": 5.0, "steps": 20, "backend": "native"}},
+  }
+  rows = [
+    {
+      "optimizer": name,
+      "fbgemm_optimizer": optimizers.PAIRINGS[name].fbgemm,
+      "note": optimizers.PAIRINGS[name].note,
+      "methods": {"fused": {"median_ms": fused}, "fbgemm": {"median_ms": 8.0}},
+      "floor_ms": 3.0,
+      "profile": {"backend": "native", "stages_ms": {"dedup": 1.0, "step": fused}},
+    }
+    for name, fused in (("rowwise_adagrad", 6.0), ("lazy_adam", 10.0))
+  ]
+  machine = {"cpus": 2, "load_avg_at_start": [0.4, 0, 0], "load_avg_at_end": [load_at_end, 0, 0]}
+  return {
+    "machine": machine,
+    "workloads": [w],
+    "optimizers": {"vocab": 1_000_000, "ids": 65536, "unique": 28768, "rows": rows},
+  }
+
+
+def test_report_has_a_row_per_optimizer():
+  text = bench_report.render(_optimizer_results(0.5))
+  assert "| rowwise_adagrad | EXACT_ROWWISE_ADAGRAD | 6.0 ms | 8.0 ms | 3.0 ms | 0.75 |" in text
+  assert "| lazy_adam | EXACT_ROWWISE_ADAGRAD (no Adam on FBGEMM's CPU path) |" in text
+  assert "| 10.0 ms | 8.0 ms | 3.0 ms | 1.25 |" in text
+  assert "| lazy_adam | 1.00 | 10.00 |" in text  # its stage profile
+
+
+def test_report_refuses_the_readme_a_busy_run():
+  readme = open(os.path.join(REPO, "README.md")).read()
+  assert bench_report.update_readme(readme, _optimizer_results(1.0))  # 0.5 per core: quiet
+  with pytest.raises(bench_report.BusyMachineError, match=r"load average was 0.40 .* 1.20"):
+    bench_report.update_readme(readme, _optimizer_results(1.2))
+  no_load = _optimizer_results(0.1)
+  del no_load["machine"]["load_avg_at_end"]
+  with pytest.raises(bench_report.BusyMachineError, match="no load average"):
+    bench_report.update_readme(readme, no_load)
+
+
+def test_optimizer_floor_counts_every_slot():
+  # LazyAdam: row, m and v (D floats each) and an int32 count per row.
+  got = optimizers.floor_bytes(optimizers.PAIRINGS["lazy_adam"].ours, 10, 20, 4)
+  assert got == 10 * (4 * 4 * 3 + 4) * 2 + 20 * 4 * 4 + 20 * 4

@@ -24,6 +24,7 @@ def _emb(
   backend="xla",
   rows=V,
   dim=D,
+  kind="auto",
 ):
   table = pe.TableSpec(
     "t",
@@ -36,7 +37,7 @@ def _emb(
     route_capacity=route_capacity,
   )
   feats = [pe.FeatureSpec("bag", "t", combiner), pe.FeatureSpec("seq", "t", None)]
-  return pe.ShardedEmbedding([table], feats, make_mesh(num_devices), "x", backend)
+  return pe.ShardedEmbedding([table], feats, make_mesh(num_devices, kind=kind), "x", backend)
 
 
 def _batch(rng, batch=24, bag=3, seq=2, rows=V, invalid=True):
@@ -121,9 +122,9 @@ def test_device_counts_agree_within_tolerance_for_arbitrary_gradients(opt):
   ],
   ids=["sgd", "adagrad"],
 )
-@pytest.mark.parametrize("num_devices", [1, 8])
-def test_sparse_update_equals_dense_optax_on_every_row(opt, tx, num_devices):
-  emb = _emb(num_devices, opt)
+@pytest.mark.parametrize("num_devices,kind", [(1, "auto"), (8, "auto"), (8, "explicit")])
+def test_sparse_update_equals_dense_optax_on_every_row(opt, tx, num_devices, kind):
+  emb = _emb(num_devices, opt, kind=kind)
   state = emb.init(jax.random.key(0))
   dense = jnp.asarray(emb.logical_table(state, "t"))
   opt_state = tx.init(dense)
@@ -315,8 +316,8 @@ def test_init_places_every_shard_on_its_device():
     assert {s.data.shape[0] for s in x.addressable_shards} == {emb.layout("t").rows_per_shard}
 
 
-def test_state_from_logical_round_trips():
-  emb = _emb(6, pe.LazyAdam())
+def test_state_from_logical_round_trips(mesh_kind):
+  emb = _emb(6, pe.LazyAdam(), kind=mesh_kind)
   table = np.random.default_rng(0).normal(size=(V, D)).astype(np.float32)
   m = np.ones((V, D), np.float32)
   state = {"t": emb.state_from_logical("t", table, {"m": m}, step=3)}
@@ -325,8 +326,8 @@ def test_state_from_logical_round_trips():
   assert int(state["t"].step) == 3
 
 
-def test_lookup_and_update_work_inside_jit():
-  emb = _emb(8, pe.SGD(0.01))
+def test_lookup_and_update_work_inside_jit(mesh_kind):
+  emb = _emb(8, pe.SGD(0.01), kind=mesh_kind)
   state = emb.init(jax.random.key(0))
   ids = _batch(np.random.default_rng(0))
 

@@ -56,35 +56,35 @@ BATCH = 64
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 
-def _trainer(optimizer=None, batch=BATCH, user_rows=500):
-  """conftest's small job, or one like it with another optimizer, batch or
-  table (only ever restored into, which fails before compiling)."""
-  if (optimizer, batch, user_rows) == (None, BATCH, 500):
+def _trainer(optimizer=None, batch=BATCH, user_rows=500, devices=8, config=pe.TrainConfig()):
+  """conftest's small job, or one like it with another optimizer, batch,
+  table, device count or pipeline."""
+  if (optimizer, batch, user_rows, devices, config) == (None, BATCH, 500, 8, pe.TrainConfig()):
     return small_trainer()
   dataset = data_lib.SyntheticClickLog(num_users=user_rows, num_items=300, eval_examples=256)
   emb, model = build_ranking(
     dataset,
-    make_mesh(8),
+    make_mesh(devices),
     emb_dim=8,
     backend="xla",
     optimizer=optimizer or pe.RowWiseAdagrad(0.05, half_life_steps=None),
   )
   feeder = GlobalBatches(dataset, batch, emb.sharding())
-  trainer = pe.make_trainer(emb, model.loss, optax.adam(1e-3), pe.TrainConfig(), feeder.train(0))
+  trainer = pe.make_trainer(emb, model.loss, optax.adam(1e-3), config, feeder.train(0))
   return trainer, model, feeder
 
 
 def _host(tr, state) -> dict:
   """Everything a restore must bring back, as host arrays."""
   out = {"step": int(state.step)}
-  for t in tr.emb.tables:
+  for t in tr.emb.tables:  # logical tables
     out[f"{t.name}/table"] = tr.emb.logical_table(state.tables, t.name)
     for k, v in tr.emb.logical_slots(state.tables, t.name).items():
       out[f"{t.name}/{k}"] = v
-  for name in state.tables:
+  for name in state.tables:  # physical tables
     out[f"{name}/pending"] = np.asarray(state.pending[name].pending)
     out[f"{name}/grads"] = np.asarray(state.pending[name].grads)
-    out[f"{name}/step"] = int(state.tables[name].step)
+    out[f"{name}/step"] = np.asarray(state.tables[name].step)
   for i, leaf in enumerate(jax.tree.leaves((state.params, state.opt_state))):
     out[f"dense/{i}"] = np.asarray(leaf)
   return out
@@ -326,10 +326,63 @@ def test_restore_with_another_optimizer_is_refused(saved):
     Checkpointer(saved["dir"], tr).restore(saved["template"], feeder.train)
 
 
-def test_restore_with_another_batch_size_is_refused(saved):
-  tr, _, feeder = _trainer(batch=2 * BATCH)
-  with pytest.raises(CheckpointMismatchError, match=r"batch size"):
-    Checkpointer(saved["dir"], tr).restore(saved["template"], feeder.train)
+def _logical(tr, state) -> dict:
+  """Every logical table's table, slots and own step, as host arrays."""
+  out = {}
+  for name, ts in tr.emb.member_states(state.tables).items():
+    out[f"{name}/table"] = tr.emb.logical_table(state.tables, name)
+    out.update((f"{name}/{k}", v) for k, v in tr.emb.logical_slots(state.tables, name).items())
+    out[f"{name}/step"] = int(ts.step)
+  return out
+
+
+def _flushed_at(saved, step):
+  """The saved run's state at `step`, restored as saved (bit for bit) and
+  flushed: a run that flushed at that step."""
+  state, _ = saved["trainer"].flush(_restore(saved, saved["dir"], step).state)
+  return state
+
+
+def test_restore_under_another_batch_size_equals_a_run_flushed_there(saved):
+  """The async checkpoint of step 3 (step 2's gradient pending) restores
+  into a trainer of twice the batch: the pending update is applied at
+  restore, and the run continues exactly as the saved run flushed at step 3
+  and continued with the bigger batches."""
+  ref = _flushed_at(saved, 3)
+  tr, model, feeder = _trainer(batch=2 * BATCH)
+  template = tr.init(model.init(jax.random.key(1)), tr.emb.init(jax.random.key(2)), feeder.train(0))
+  got = Checkpointer(saved["dir"], tr).restore(template, feeder.train, step=3)
+  want = tr.init(ref.params, ref.tables, feeder.train(3))._replace(
+    opt_state=ref.opt_state, step=ref.step
+  )
+  assert int(got.step) == 3 and not any(bool(u.pending) for u in got.pending.values())
+  _assert_same(_logical(tr, got), _logical(tr, want))
+  assert _logical(tr, want) != {}
+  for t in (3, 4):
+    got, m_got = tr.step(got, feeder.train(t), feeder.train(t + 1))
+    want, m_want = tr.step(want, feeder.train(t), feeder.train(t + 1))
+    assert float(m_got["loss"]) == float(m_want["loss"])
+  _assert_same(_logical(tr, got), _logical(tr, want))
+
+
+def test_restore_into_the_sync_pipeline_on_other_devices_applies_the_pending_update(saved):
+  """--noasync_emb on 6 devices with batches of 48 (the saved 64 do not
+  split over 6: padded): the tables are the saved run's flushed at that
+  step (to rounding: the per-row sums are added in another order)."""
+  ref = _logical(saved["trainer"], _flushed_at(saved, 3))
+  tr, model, feeder = _trainer(batch=48, devices=6, config=pe.TrainConfig(use_async_emb=False))
+  template = tr.init(model.init(jax.random.key(1)), tr.emb.init(jax.random.key(2)), feeder.train(0))
+  got = Checkpointer(saved["dir"], tr).restore(template, feeder.train, step=3)
+  assert got.pending == {} and got.lookups == {}
+  restored = _logical(tr, got)
+  assert sorted(restored) == sorted(ref)
+  for k, v in ref.items():
+    np.testing.assert_allclose(restored[k], v, rtol=1e-6, atol=1e-7, err_msg=k)
+  # The pending update was applied: one more update than the saved state's.
+  unflushed = _logical(saved["trainer"], _restore(saved, saved["dir"], 3).state)
+  assert restored["user/step"] == unflushed["user/step"] + 1
+  _, m = tr.step(got, feeder.train(3))
+  assert np.isfinite(float(m["loss"]))
 
 
 def test_restore_with_another_table_is_refused(saved):
@@ -492,21 +545,70 @@ def test_ids_on_other_devices_are_refused():
   np.testing.assert_array_equal(np.asarray(acts["f"]), np.asarray(want["f"]))
 
 
-def test_tables_of_another_mesh_are_refused_and_untouched():
+# Meshes that are not make_mesh(8): other devices, the same devices in
+# another order, the same devices under another axis name.
+OTHER_MESHES = {
+  "devices": (
+    lambda d: jax.sharding.Mesh(np.array(d[:8]), ("x",)),
+    "x",
+    "[0, 1, 2, 3, 4, 5, 6, 7]",
+  ),
+  "order": (
+    lambda d: jax.sharding.Mesh(np.array(d[8:0:-1]), ("x",)),
+    "x",
+    "[8, 7, 6, 5, 4, 3, 2, 1]",
+  ),
+  "axis": (lambda d: jax.sharding.Mesh(np.array(d[1:9]), ("y",)), "y", "[1, 2, 3, 4, 5, 6, 7, 8]"),
+}
+
+
+@pytest.mark.parametrize("kind", OTHER_MESHES)
+def test_tables_of_another_mesh_are_refused_and_untouched(kind):
+  """Every entry refuses state of another mesh with MeshMismatchError naming
+  both meshes, before any jitted call (JAX's own error is a ValueError)."""
+  make, axis, devices = OTHER_MESHES[kind]
   emb = _small(make_mesh(8))
-  other = dataclasses.replace(emb, mesh=jax.sharding.Mesh(np.array(jax.devices()[:8]), ("x",)))
+  other = dataclasses.replace(emb, mesh=make(jax.devices()), axis=axis)
   tables = other.init(jax.random.key(0))
   before = other.logical_table(tables, "t")
   ids = {"f": np.arange(16, dtype=np.int32).reshape(8, 2)}
-  with pytest.raises(MeshMismatchError, match=r"table 't' .* devices \[0, 1, 2, 3, 4, 5, 6, 7\]"):
+  both = (
+    rf"table 't'.* is on the mesh {{'{axis}': 8}} over devices \{devices[:-1]}\], but expected "
+  )
+  both += r"the mesh {'x': 8} over devices \[1, 2, 3, 4, 5, 6, 7, 8\]"
+  with pytest.raises(MeshMismatchError, match=both):
     emb.lookup(tables, ids)
-  _, res = emb.lookup(emb.init(jax.random.key(0)), ids)
+  with pytest.raises(MeshMismatchError, match=both):
+    emb.logical_table(tables, "t")
+  mine = emb.init(jax.random.key(0))
+  _, res = emb.lookup(mine, ids)
   with pytest.raises(MeshMismatchError):
     emb.apply_gradients(tables, res, {"f": np.ones((8, 8), np.float32)})
+  with pytest.raises(PlacementError, match="expected the mesh"):  # a MeshMismatchError
+    emb.lookup(mine, {"f": jax.device_put(ids["f"], other.sharding())})
   np.testing.assert_array_equal(other.logical_table(tables, "t"), before)
   ctx = async_emb.context_handles(emb, ids)["t"]
-  with pytest.raises(MeshMismatchError):
+  with pytest.raises(MeshMismatchError, match=both):
     async_emb.lookup_start(ctx, tables["t"].table, ids)
+  state = pe.EmbOptState(tables["t"].slots, tables["t"].step)
+  with pytest.raises(MeshMismatchError, match=both):
+    async_emb.gradient_update_start(
+      ctx, async_emb.empty_gradient_update(ctx), tables["t"].table, state
+    )
+  assert not ctx.in_flight
+  # The async context of the other mesh refuses this mesh's table.
+  other_ctx = async_emb.context_handles(other, ids)["t"]
+  with pytest.raises(MeshMismatchError, match="expected the mesh"):
+    async_emb.lookup_start(other_ctx, mine["t"].table, ids)
+  tr = pe.make_trainer(
+    emb,
+    lambda p, a, b: (0.0, {}),
+    optax.sgd(0.0),
+    pe.TrainConfig(use_async_emb=False),
+    {"ids": ids},
+  )
+  with pytest.raises(MeshMismatchError, match="the train state is on the mesh"):
+    tr.step(pe.TrainState({}, (), tables, {}, {}, jnp.zeros((), jnp.int32)), {"ids": ids})
 
 
 def _async(name, mesh):

@@ -40,8 +40,8 @@ SETTINGS = settings(
 def _emb(num_devices: int) -> pe.ShardedEmbedding:
   tables = [pe.TableSpec(name, rows, DIM, optimizer=pe.SGD(LR)) for name, rows in ROWS.items()]
   feats = [pe.FeatureSpec(f, t, c) for f, (t, c, _) in FEATURES.items()]
-  # Unstacked: the reference steps each table alone (a stack has one step
-  # counter per group; tests/test_stacking.py compares stacked with this).
+  # Unstacked: the reference steps each table alone (tests/test_stacking.py
+  # compares stacked tables, one step counter per member, with this).
   return pe.ShardedEmbedding(tables, feats, make_mesh(num_devices), "x", "xla", stacking="off")
 
 

@@ -36,13 +36,13 @@ def _run_in_process(*args):
 SMALL = ["--batch_size=128", "--log_every=1000", "--eval_batches=4"]
 
 
-def _job(*args, timeout=300):
+def _job(*args, timeout=300, env=None):
   """`python -m pallas_emb ...` bounded by a timeout that really kills
   (jax.distributed catches SIGTERM, hence -k)."""
   return subprocess.Popen(
     ["timeout", "-k", "5", str(timeout), sys.executable, "-m", "pallas_emb", *SMALL, *args],
     cwd=REPO,
-    env=child_env(),
+    env={**child_env(), **(env or {})},
     stdout=subprocess.PIPE,
     stderr=subprocess.STDOUT,
     text=True,
@@ -94,6 +94,25 @@ def test_every_optimizer_flag_has_a_default_rate_and_ftrl_is_one():
 def test_async_mode_refuses_the_optax_optimizer_before_training():
   with pytest.raises(pe.ConfigError, match="OptaxRows has no fused table update"):
     _run_in_process("--steps=1", "--optimizer=optax_adam")
+
+
+@pytest.mark.slow
+def test_library_errors_are_one_line_with_the_fix_and_no_traceback(tmp_path):
+  unwritable = "/sys/fs/pallas_emb" if os.geteuid() == 0 else "/proc/pallas_emb"
+  for args, error, fix in (
+    ([f"--checkpoint_dir={unwritable}"], "CheckpointDirError", "or fix its permissions."),
+    (["--data=nonsense"], "DataError", "use 'synthetic' or 'movielens:PATH'"),
+  ):
+    proc = _job(*args, timeout=120)
+    out, _ = proc.communicate()
+    assert proc.returncode == 1, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    lines = [line for line in out.splitlines() if line.startswith("pallas_emb: ")]
+    assert len(lines) == 1 and lines[0].startswith(f"pallas_emb: {error}: ") and fix in lines[0]
+  # PALLAS_EMB_DEBUG=1 (or --debug) shows the traceback.
+  proc = _job("--data=nonsense", timeout=120, env={"PALLAS_EMB_DEBUG": "1"})
+  out, _ = proc.communicate()
+  assert proc.returncode != 0 and "Traceback" in out and "DataError" in out, out[-3000:]
 
 
 @pytest.mark.slow

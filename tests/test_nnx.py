@@ -20,11 +20,11 @@ from pallas_emb.job.nnx_model import RankingMLP  # noqa: E402
 STEPS = 3
 
 
-def _job(num_devices, optimizer=None):
+def _job(num_devices, optimizer=None, kind="auto"):
   dataset = data_lib.SyntheticClickLog(num_users=200, num_items=120, eval_examples=64)
   emb, model = build_ranking(
     dataset,
-    make_mesh(num_devices),
+    make_mesh(num_devices, kind=kind),
     emb_dim=8,
     backend="xla",
     hidden=(16,),
@@ -71,24 +71,25 @@ def _assert_same_state(embed, dense, state):
     )
     for slot, v in ts.slots.items():
       np.testing.assert_array_equal(np.asarray(embed.slots.get_value()[name][slot]), np.asarray(v))
-    assert int(embed.step.get_value()[name]) == int(ts.step)
+    np.testing.assert_array_equal(np.asarray(embed.step.get_value()[name]), np.asarray(ts.step))
   for got, want in zip(dense.params(), state.params):
     for k in ("w", "b"):
       np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
 
 
 @pytest.mark.parametrize(
-  "num_devices,config",
+  "num_devices,config,kind",
   [
-    (8, pe.TrainConfig()),
-    (8, pe.TrainConfig(use_async_emb=False)),
-    (1, pe.TrainConfig(exact=True)),
+    (8, pe.TrainConfig(), "auto"),
+    (8, pe.TrainConfig(use_async_emb=False), "auto"),
+    (1, pe.TrainConfig(exact=True), "auto"),
+    (8, pe.TrainConfig(), "explicit"),
   ],
-  ids=["async-8", "sync-8", "exact-1"],
+  ids=["async-8", "sync-8", "exact-1", "async-8-explicit"],
 )
 @pytest.mark.slow
-def test_nnx_trains_bit_for_bit_like_the_functional_trainer(num_devices, config):
-  emb, model, feeder = _job(num_devices)
+def test_nnx_trains_bit_for_bit_like_the_functional_trainer(num_devices, config, kind):
+  emb, model, feeder = _job(num_devices, kind=kind)
   key = jax.random.key(0)
   state, want = _functional(emb, model, feeder, config, key)
   embed, dense, opt = _nnx_model(emb, model, feeder, config, key)

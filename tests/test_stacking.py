@@ -26,11 +26,11 @@ FEATURES = [pe.FeatureSpec("fa", "a"), pe.FeatureSpec("fc", "c"), pe.FeatureSpec
 FEATURE_D = pe.FeatureSpec("fd", "d")
 
 
-def _emb(opt, n, stacking_mode, alone=False):
+def _emb(opt, n, stacking_mode, alone=False, kind="auto"):
   return pe.ShardedEmbedding(
     _tables(opt, alone),
     FEATURES + [FEATURE_D] * alone,
-    make_mesh(n),
+    make_mesh(n, kind=kind),
     "x",
     "xla",
     stacking=stacking_mode,
@@ -46,12 +46,16 @@ def _ids(rng, emb, batch=24):
   return {f.name: rng.integers(-1, 60, (batch, 2)).astype(np.int32) for f in emb.features}
 
 
-def _run(emb, steps=2, nan_step=1):
+def _run(emb, steps=2, nan_step=1, empty_step=None):
+  """`steps` sync steps; c gets a non-finite gradient at `nan_step` and only
+  padding at `empty_step`. Logs (acts, metrics, member steps) per step."""
   rng = np.random.default_rng(0)
   state = emb.init(jax.random.key(3))
   log = []
   for s in range(steps):
     ids = _ids(rng, emb)
+    if s == empty_step:
+      ids["fc"][:] = -1
     acts, res = emb.lookup(state, ids)
     grads = {k: _dyadic(rng, v.shape) for k, v in acts.items()}
     if s == nan_step:  # a non-finite gradient in c alone
@@ -63,18 +67,21 @@ def _run(emb, steps=2, nan_step=1):
       (
         {k: np.asarray(v) for k, v in acts.items()},
         jax.tree.map(np.asarray, {k: m._asdict() for k, m in metrics.items()}),
+        {k: int(v.step) for k, v in emb.member_states(state).items()},
       )
     )
   return state, log
 
 
 def _assert_same(e0, s0, e1, s1, names):
+  m0, m1 = e0.member_states(s0), e1.member_states(s1)
   for t in names:
     np.testing.assert_array_equal(e0.logical_table(s0, t), e1.logical_table(s1, t))
     slots0, slots1 = e0.logical_slots(s0, t), e1.logical_slots(s1, t)
     assert slots0.keys() == slots1.keys()
     for k in slots0:
       np.testing.assert_array_equal(slots0[k], slots1[k])
+    assert int(m0[t].step) == int(m1[t].step), t
 
 
 def _assert_metrics_equal(m0, m1):
@@ -84,33 +91,44 @@ def _assert_metrics_equal(m0, m1):
       np.testing.assert_array_equal(m0[t][k], m1[t][k], err_msg=f"{t}.{k}")
 
 
+# Schedules make the update read each member's step (`reads_step`): a member
+# left behind then needs its own step's learning rate.
+DECAY = optax.exponential_decay(0.5, 1, 0.5)
 OPTIMIZERS = [
-  (pe.SGD(0.5), 1),
+  (pe.SGD(DECAY), 1),
   (pe.Adagrad(0.25), 6),
   (pe.RowWiseAdagrad(0.1, half_life_steps=3.0, lazy_decay=True), 8),
-  (pe.LazyAdam(0.05), 8),
-  (pe.FTRL(0.1, l1=0.01, l2=0.01), 6),
+  (pe.LazyAdam(optax.exponential_decay(0.05, 1, 0.8)), 8),
+  (pe.FTRL(DECAY, l1=0.01, l2=0.01), 6),
 ]
 
 
 @pytest.mark.parametrize("opt,n", OPTIMIZERS, ids=lambda x: getattr(type(x), "__name__", str(x)))
 def test_stacked_equals_unstacked_bit_for_bit(opt, n):
+  """Step by step, while c is skipped (a non-finite gradient, step 1) and
+  gets no ids (step 2): acts, metrics and each member's step agree, and
+  so do the tables after c is applied again (step 3)."""
   off, auto = _emb(opt, n, "off"), _emb(opt, n, "auto")
   assert off.table_names == ("a", "c")
   assert auto.table_names == ("a+c",)
-  s0, log0 = _run(off)
-  s1, log1 = _run(auto)
+  s0, log0 = _run(off, steps=4, empty_step=2)
+  s1, log1 = _run(auto, steps=4, empty_step=2)
   _assert_same(off, s0, auto, s1, "ac")
-  for (a0, m0), (a1, m1) in zip(log0, log1):
+  for (a0, m0, st0), (a1, m1, st1) in zip(log0, log1):
     assert a0.keys() == a1.keys()
     for k in a0:
       np.testing.assert_array_equal(a0[k], a1[k])
     _assert_metrics_equal(m0, m1)
-  # The non-finite gradient skipped c alone; its neighbours were applied.
-  last = log1[-1][1]
-  assert not last["c"]["applied"] and not np.isfinite(last["c"]["grad_norm"])
-  assert last["a"]["applied"]
-  assert all(last[t]["invalid_ids"] > 0 and last[t]["unique_ids"] > 0 for t in "ac")
+    assert st0 == st1
+  # c was skipped at step 1 (its neighbour applied), had nothing to apply at
+  # step 2, and kept its own step count.
+  skipped, empty = log1[1][1], log1[2][1]
+  assert not skipped["c"]["applied"] and not np.isfinite(skipped["c"]["grad_norm"])
+  assert skipped["a"]["applied"] and empty["a"]["applied"]
+  assert not empty["c"]["applied"] and empty["c"]["unique_ids"] == 0
+  assert [st["c"] for _, _, st in log1] == [1, 1, 1, 2]
+  assert [st["a"] for _, _, st in log1] == [1, 2, 3, 4]
+  assert all(log1[0][1][t]["invalid_ids"] > 0 and log1[3][1][t]["unique_ids"] > 0 for t in "ac")
 
 
 def test_offsets_rotate_row_zero_over_the_shards():
@@ -167,33 +185,50 @@ def _trainer(emb, use_async, batch):
   }
 
   def loss_fn(params, acts, batch):
-    del batch
     total = sum(jnp.sum(acts[k] * w[k]) for k in acts) * params["s"]
-    return total, {}
+    # NaN in c's gradient alone where batch["nan_c"] is (the dense gradient,
+    # of params["s"], stays finite).
+    return total + jnp.sum(acts["fc"]) * batch["nan_c"], {}
 
   tr = pe.make_trainer(emb, loss_fn, optax.sgd(0.0), pe.TrainConfig(use_async_emb=use_async), batch)
   return tr, {"s": jnp.ones((), jnp.float32)}
 
 
+def _trainer_batches(rng, emb):
+  """Five batches: c gets only padding in batch 1 and a non-finite gradient
+  in batch 2."""
+  batches = [{"ids": _ids(rng, emb), "nan_c": np.float32(0.0)} for _ in range(5)]
+  batches[1]["ids"]["fc"][:] = -1
+  batches[2]["nan_c"] = np.float32(np.nan)
+  return batches
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
-def test_trainer_stacked_equals_unstacked_and_checkpoints_cross_over(use_async, tmp_path):
-  """Both pipelines give the same tables and metrics stacked or not; a
-  checkpoint of either restores into the other (async: the pending update
-  too) and the runs continue identically."""
+@pytest.mark.parametrize(
+  "use_async,kind",
+  [(False, "auto"), (True, "auto"), (True, "explicit")],
+  ids=["sync", "async", "async-explicit"],
+)
+def test_trainer_stacked_equals_unstacked_and_checkpoints_cross_over(use_async, kind, tmp_path):
+  """Both pipelines give the same tables, metrics and member steps stacked
+  or not, while c gets no ids or a non-finite gradient, with a learning-rate
+  schedule; a checkpoint of either restores into the other (async: the
+  pending update too) and the runs continue identically."""
   rng = np.random.default_rng(5)
   runs = {}
+  opt = pe.RowWiseAdagrad(optax.exponential_decay(0.1, 1, 0.7), half_life_steps=None)
   for mode in ("off", "auto"):
-    emb = _emb(pe.RowWiseAdagrad(0.1, half_life_steps=None), 4, mode)
-    put = lambda b, emb=emb: {
-      "ids": {k: jax.device_put(v, emb.sharding()) for k, v in b["ids"].items()}
-    }
-    batches = runs["off"]["batches"] if runs else [{"ids": _ids(rng, emb)} for _ in range(4)]
+    emb = _emb(opt, 4, mode, kind=kind)
+
+    def put(b, emb=emb):
+      return {**b, "ids": {k: jax.device_put(v, emb.sharding()) for k, v in b["ids"].items()}}
+
+    batches = runs["off"]["batches"] if runs else _trainer_batches(rng, emb)
     tr, params = _trainer(emb, use_async, put(batches[0]))
     template = tr.init(params, emb.init(jax.random.key(0)), put(batches[0]))
     state = tr.init(params, emb.init(jax.random.key(0)), put(batches[0]))
     log = []
-    for i in range(2):
+    for i in range(3):
       state, m = tr.step(state, put(batches[i]), put(batches[i + 1]))
       log.append(jax.tree.map(np.asarray, m["emb"]))
     ckpt = Checkpointer(str(tmp_path / mode), tr)
@@ -205,19 +240,21 @@ def test_trainer_stacked_equals_unstacked_and_checkpoints_cross_over(use_async, 
   _assert_same(off["emb"], off["state"].tables, auto["emb"], auto["state"].tables, "ac")
   for m0, m1 in zip(off["log"], auto["log"]):
     _assert_metrics_equal(m0, m1)
-  # Each trainer restores the other's checkpoint and takes the third step.
+  # c applied nothing at the step of batch 1 (sync: step 1; async: step 2).
+  assert not auto["log"][1 + use_async]["c"]["applied"]
+  # Each trainer restores the other's checkpoint and takes the fourth step
+  # (async: it applies batch 2's non-finite gradient and skips c).
   for mine, other in ((off, auto), (auto, off)):
     ckpt = Checkpointer(other["ckpt"].directory, mine["tr"])
     restored = ckpt.restore(mine["template"], lambda i: mine["put"](mine["batches"][i]))
     _assert_same(mine["emb"], restored.tables, other["emb"], other["state"].tables, "ac")
     mine["next"] = mine["tr"].step(
-      restored, mine["put"](mine["batches"][2]), mine["put"](mine["batches"][3])
+      restored, mine["put"](mine["batches"][3]), mine["put"](mine["batches"][4])
     )
   _assert_same(off["emb"], off["next"][0].tables, auto["emb"], auto["next"][0].tables, "ac")
-  _assert_metrics_equal(
-    jax.tree.map(np.asarray, off["next"][1]["emb"]),
-    jax.tree.map(np.asarray, auto["next"][1]["emb"]),
-  )
+  last = jax.tree.map(np.asarray, auto["next"][1]["emb"])
+  _assert_metrics_equal(jax.tree.map(np.asarray, off["next"][1]["emb"]), last)
+  assert bool(last["c"]["skipped"]) == use_async and bool(last["a"]["applied"])
 
 
 @pytest.mark.parametrize("n", [6])
@@ -236,7 +273,7 @@ def test_replicated_equals_sharded(n):
   assert e1.layout("c").num_shards == 1 and e1.layout("a").num_shards == n
   assert s1["c"].table.sharding.is_fully_replicated
   _assert_same(e0, s0, e1, s1, "ac")
-  for (a0, m0), (a1, m1) in zip(log0, log1):
+  for (a0, m0, _), (a1, m1, _) in zip(log0, log1):
     for k in a0:
       np.testing.assert_array_equal(a0[k], a1[k])
     for t in m0:
@@ -268,8 +305,10 @@ def test_replicated_equals_sharded(n):
 
 def test_interpret_kernel_agrees_with_xla_when_a_member_is_skipped():
   """The Pallas kernel (interpret mode) gets the compacted rows of the
-  applied members, like the XLA path: both give the same tables."""
-  opt = pe.RowWiseAdagrad(0.1, half_life_steps=None)
+  applied members, like the XLA path: both give the same tables; after the
+  skip the members are at different steps, and with a schedule the kernel
+  runs once per step (a loop)."""
+  opt = pe.RowWiseAdagrad(DECAY, half_life_steps=None)
   tables = [pe.TableSpec("a", 12, D, optimizer=opt), pe.TableSpec("c", 9, D, optimizer=opt)]
   feats = [pe.FeatureSpec("fa", "a"), pe.FeatureSpec("fc", "c")]
   out = []
@@ -280,11 +319,14 @@ def test_interpret_kernel_agrees_with_xla_when_a_member_is_skipped():
       "fa": np.array([[0], [5], [11], [-1]], np.int32),
       "fc": np.array([[2], [8], [3], [20]], np.int32),
     }
-    acts, res = emb.lookup(state, ids)
-    grads = {k: _dyadic(np.random.default_rng(2), v.shape) for k, v in acts.items()}
-    grads["fc"][1, 0] = np.inf
-    state, m = emb.apply_gradients(state, res, grads)
-    assert bool(m["a"].applied) and not bool(m["c"].applied)
+    for step in range(2):
+      acts, res = emb.lookup(state, ids)
+      grads = {k: _dyadic(np.random.default_rng(2), v.shape) for k, v in acts.items()}
+      if step == 0:
+        grads["fc"][1, 0] = np.inf
+      state, m = emb.apply_gradients(state, res, grads)
+      assert bool(m["a"].applied) and bool(m["c"].applied) == (step == 1)
+    np.testing.assert_array_equal(state["a+c"].step, [2, 1])
     out.append([emb.logical_table(state, t) for t in "ac"])
   for x, y in zip(*out):
     np.testing.assert_array_equal(x, y)

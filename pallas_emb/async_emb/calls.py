@@ -78,6 +78,12 @@ def make_gradient_update(
   validate.check_feature_grads(
     context.name, t.features, grads, [lookup.acts[f.name].shape for f in t.features]
   )
+  validate.check_on_mesh(
+    (lookup.residuals, grads),
+    t.mesh,
+    f"the lookup or gradients of table {t.name!r}",
+    "pass this context's lookup_start result and gradients on its mesh or on the host.",
+  )
   token_grads = programs.token_gradients(
     t, lookup.residuals, tuple(grads[f.name] for f in t.features)
   )

@@ -102,12 +102,11 @@ class AsyncEmbContextHandle:
     """Which table, optimizer and mesh this context updates: the owner
     recorded in its `AsyncEmbGradientUpdate`s."""
     t = self.sharded_table
-    devices = [d.id for d in t.mesh.devices.flat]
     return (
       f"table {t.name!r} ({t.spec.num_rows}x{t.spec.dim} "
       f"{np.dtype(t.spec.dtype).name}, features "
-      f"{[f.name for f in t.features]}, {t.spec.optimizer!r}) on mesh "
-      f"axis {t.axis!r} over devices {devices}"
+      f"{[f.name for f in t.features]}, {t.spec.optimizer!r}) on axis "
+      f"{t.axis!r} of the {validate.describe_mesh(t.mesh)}"
     )
 
   def check_state(self, table, slots=None) -> None:

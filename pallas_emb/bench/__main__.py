@@ -4,6 +4,7 @@
         [--ids 65536] [--steps 30] [--methods fused,fused_xla,dense,fbgemm]
         [--plot bench.png] [--profile_steps 10]
     python -m pallas_emb.bench --json dlrm.json --workload=dlrm  # see pallas_emb.bench.dlrm
+    python -m pallas_emb.bench --json b.json --optimizers=sgd,lazy_adam,ftrl  # see .optimizers
 
 Per workload (V rows x D float32, N ids drawn as `(rng(0).zipf(1.1, N) - 1) %
 V`, one gradient row per id, row-wise Adagrad with lr 0.01, eps 1e-8, no
@@ -28,6 +29,10 @@ once), and, with --pipeline_steps, the examples/s of the main job's model with
 the async and the exact embedding pipelines. Times are medians (and min/max)
 over --steps steps after --warmup; a benchmark is a program, not a test.
 --plot draws step time against V (per N) and against N (per V), log-log.
+--optimizers adds, on V = --optimizer_vocab and the first N, every listed
+optimizer's fused step against FBGEMM's nearest (`pallas_emb.bench.optimizers`).
+The run records the load average and the copy bandwidth at its start and end;
+`pallas_emb.bench.report` refuses to put a busy run's figures in the README.
 """
 
 import os
@@ -46,6 +51,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from absl import app, flags  # noqa: E402
 
 from pallas_emb.bench.methods import METHODS  # noqa: E402
+from pallas_emb.bench.optimizers import PAIRINGS  # noqa: E402
 from pallas_emb.bench.run import BenchConfig, run  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -79,6 +85,12 @@ flags.DEFINE_bool(
   True,
   "Put the tables (ours and FBGEMM's) on transparent huge pages (see pallas_emb.job.host_memory).",
 )
+flags.DEFINE_list(
+  "optimizers",
+  [],
+  f"Optimizers to compare with FBGEMM's nearest on V = --optimizer_vocab: {', '.join(PAIRINGS)}.",
+)
+flags.DEFINE_integer("optimizer_vocab", 1_000_000, "Table size V of the --optimizers comparison.")
 flags.DEFINE_bool(
   "keep_freed_memory",
   True,
@@ -94,6 +106,10 @@ def main(argv) -> None:
   unknown = sorted(set(methods) - set(METHODS))
   if unknown:
     raise app.UsageError(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}.")
+  optimizers = [o.strip() for o in FLAGS.optimizers]
+  unknown = sorted(set(optimizers) - set(PAIRINGS))
+  if unknown:
+    raise app.UsageError(f"--optimizers: unknown {unknown}; choose from {', '.join(PAIRINGS)}.")
   run(
     BenchConfig(
       json=FLAGS.json,
@@ -112,6 +128,8 @@ def main(argv) -> None:
       profile_steps=FLAGS.profile_steps,
       huge_pages=FLAGS.huge_pages,
       keep_freed_memory=FLAGS.keep_freed_memory,
+      optimizers=tuple(optimizers),
+      optimizer_vocab=FLAGS.optimizer_vocab,
     )
   )
 

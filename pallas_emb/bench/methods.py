@@ -11,8 +11,12 @@ between them (`SharedTable`): each donates it and hands on the result, so a
 * "fused_xla": the same on the XLA path (the oracle and fallback);
 * "dense": what a JAX user writes without it: `jax.vjp` of the lookup (a
   dense (V, D) gradient) and row-wise Adagrad over the whole table;
-* "fbgemm": FBGEMM's CPU table-batched embedding, EXACT_ROWWISE_ADAGRAD, SUM
-  pooling of bags of one id, backward only.
+* "fbgemm": FBGEMM's CPU table-batched embedding, EXACT_ROWWISE_ADAGRAD
+  (or another optimizer its CPU path runs), SUM pooling of bags of one id,
+  backward only.
+
+The table's optimizer is row-wise Adagrad unless a method is given another
+(`pallas_emb.bench.optimizers` compares every optimizer).
 """
 
 from __future__ import annotations
@@ -30,18 +34,26 @@ LEARNING_RATE, EPS = 0.01, 1e-8
 METHODS = ("fused", "fused_xla", "dense", "fbgemm")
 
 
-class SharedTable:
-  """One (V, D) table and accumulator in JAX, and one `ShardedEmbedding` per
-  backend over it (they differ only in how the update runs)."""
+def rowwise_adagrad() -> pe.RowWiseAdagrad:
+  """The benchmark's default optimizer, FBGEMM's EXACT_ROWWISE_ADAGRAD."""
+  return pe.RowWiseAdagrad(LEARNING_RATE, eps=EPS, half_life_steps=None)
 
-  def __init__(self, vocab: int, dim: int, capacity: int, *, huge_pages: bool = True):
+
+class SharedTable:
+  """One (V, D) table and its optimizer's slots in JAX, and one
+  `ShardedEmbedding` per backend over it (they differ only in how the update
+  runs)."""
+
+  def __init__(
+    self, vocab: int, dim: int, capacity: int, *, huge_pages: bool = True, optimizer=None
+  ):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
     spec = pe.TableSpec(
       "t",
       vocab,
       dim,
       dtype=jnp.float32,
-      optimizer=pe.RowWiseAdagrad(LEARNING_RATE, eps=EPS, half_life_steps=None),
+      optimizer=optimizer or rowwise_adagrad(),
       initializer=jax.nn.initializers.zeros,
       unique_capacity=capacity,
     )
@@ -110,7 +122,14 @@ class FbgemmBackward:
   name = "fbgemm"
 
   def __init__(
-    self, vocab: int, dim: int, ids: np.ndarray, grads: np.ndarray, *, huge_pages: bool = True
+    self,
+    vocab: int,
+    dim: int,
+    ids: np.ndarray,
+    grads: np.ndarray,
+    *,
+    huge_pages: bool = True,
+    optimizer: str = "EXACT_ROWWISE_ADAGRAD",
   ):
     import torch  # pylint: disable=g-import-not-at-top
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode  # pylint: disable=g-import-not-at-top
@@ -123,7 +142,7 @@ class FbgemmBackward:
     self.torch = torch
     self.module = SplitTableBatchedEmbeddingBagsCodegen(
       [(vocab, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
-      optimizer=OptimType.EXACT_ROWWISE_ADAGRAD,
+      optimizer=OptimType[optimizer],
       learning_rate=LEARNING_RATE,
       eps=EPS,
       pooling_mode=PoolingMode.SUM,
@@ -135,7 +154,8 @@ class FbgemmBackward:
     self.huge_page_bytes = (
       sum(
         host_memory.advise_huge_pages(t.data_ptr(), t.numel() * t.element_size())
-        for t in (self.module.weights_host, self.module.momentum1_host)
+        for t in (self.module.weights_host, getattr(self.module, "momentum1_host", None))
+        if t is not None and t.numel()
       )
       if huge_pages
       else 0

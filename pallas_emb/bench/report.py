@@ -4,9 +4,17 @@
 
 Replaces what stands between the markers `<!-- bench:results -->` and
 `<!-- /bench:results -->` in the README with the run's table (one row per
-workload), the ratios the issue tracks (fused / FBGEMM, dense / fused) and
-the per-stage profile of the first workload's fused step. Numbers are never
-typed by hand: `docs/benchmarks/regenerate.sh` runs the benchmark and this.
+workload), the ratios the issue tracks (fused / FBGEMM, dense / fused),
+the per-stage profile of the first workload's fused step and, when the run
+compared optimizers (`--optimizers`), a row per optimizer against FBGEMM's
+nearest with its stage profile. Numbers are never typed by hand:
+`docs/benchmarks/regenerate.sh` runs the benchmark and this.
+
+A busy machine's times are not results (other processes take the cores and
+the memory bandwidth, and not evenly from each method): the README is only
+rewritten from a run whose 1-minute load average, at its start and at its
+end, was at most `MAX_LOAD_PER_CORE` per core; otherwise this says why and
+writes nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import json
 import re
 
 BEGIN, END = "<!-- bench:results -->", "<!-- /bench:results -->"
+MAX_LOAD_PER_CORE = 0.5
 NAMES = {
   "fused": "fused",
   "fused_xla": "fused, XLA path",
@@ -43,7 +52,68 @@ def _load(machine: dict) -> str:
     )
   if "copy_bandwidth_gbps" in machine:
     text += f"; a 1 GiB copy ran at {machine['copy_bandwidth_gbps']:.1f} GB/s"
+    if "copy_bandwidth_end_gbps" in machine:
+      text += f" at the start, {machine['copy_bandwidth_end_gbps']:.1f} GB/s at the end"
   return text
+
+
+def busy(machine: dict) -> str:
+  """Why a run's times may not go in the README ("" if they may)."""
+  cores = machine.get("cpus") or 1
+  limit = MAX_LOAD_PER_CORE * cores
+  loads = [machine.get("load_avg_at_start"), machine.get("load_avg_at_end")]
+  if any(load is None for load in loads):
+    return "the run recorded no load average at its start and end; rerun the benchmark"
+  start, end = loads[0][0], loads[1][0]
+  if max(start, end) > limit:
+    return (
+      f"the 1-minute load average was {start:.2f} at the start and {end:.2f} at the end, "
+      f"over {MAX_LOAD_PER_CORE} per core ({limit:.1f} on {cores} cores): other processes "
+      "shared the cores and the memory bandwidth; rerun on a quiet machine"
+    )
+  return ""
+
+
+def _optimizer_lines(opt: dict) -> list[str]:
+  """The per-optimizer comparison: ratios, then each fused step's stages."""
+  rows = opt["rows"]
+  lines = [
+    "",
+    f"Every optimizer on V = {opt['vocab']:,}, N = {opt['ids']:,} ({opt['unique']:,} unique), "
+    "against the nearest optimizer FBGEMM's CPU backward runs "
+    "(`pallas_emb.bench.optimizers`):",
+    "",
+    "| optimizer | FBGEMM counterpart | fused | FBGEMM backward | memory floor | fused / FBGEMM |",
+    "| --- | --- | ---: | ---: | ---: | ---: |",
+  ]
+  for r in rows:
+    med = {m: v["median_ms"] for m, v in r["methods"].items()}
+    counterpart = r["fbgemm_optimizer"] or "–"
+    if r["note"]:
+      counterpart += f" ({r['note']})"
+    ratio = f"{med['fused'] / med['fbgemm']:.2f}" if "fbgemm" in med else "–"
+    fbgemm = _ms(med["fbgemm"]) if "fbgemm" in med else "–"
+    lines.append(
+      f"| {r['optimizer']} | {counterpart} | {_ms(med['fused'])} | {fbgemm} | "
+      f"{_ms(r['floor_ms'])} | {ratio} |"
+    )
+  profiled = [r for r in rows if "profile" in r]
+  if profiled:
+    stages = list(profiled[0]["profile"]["stages_ms"])
+    lines += [
+      "",
+      f'Where each optimizer\'s fused step went (backend "{profiled[0]["profile"]["backend"]}"; '
+      "median ms):",
+      "",
+      "| optimizer | " + " | ".join(stages) + " |",
+      "| --- | " + " | ".join("---:" for _ in stages) + " |",
+    ]
+    for r in profiled:
+      got = r["profile"]["stages_ms"]
+      lines.append(
+        f"| {r['optimizer']} | " + " | ".join(f"{got.get(k, 0.0):.2f}" for k in stages) + " |"
+      )
+  return lines
 
 
 def render(results: dict) -> str:
@@ -84,11 +154,24 @@ def render(results: dict) -> str:
       "| " + " | ".join("---:" for _ in stages) + " |",
       "| " + " | ".join(f"{v:.2f}" for v in stages.values()) + " |",
     ]
+  if "optimizers" in results:
+    lines += _optimizer_lines(results["optimizers"])
   return "\n".join(lines)
 
 
+class BusyMachineError(ValueError):
+  """A run's times come from a busy machine (see `busy`)."""
+
+
 def update_readme(readme: str, results: dict) -> str:
-  """`readme` with the text between the markers replaced by `render`."""
+  """`readme` with the text between the markers replaced by `render`.
+
+  Raises:
+    BusyMachineError: the run was on a busy machine (`busy` says why).
+  """
+  why = busy(results["machine"])
+  if why:
+    raise BusyMachineError(f"not writing the README's benchmark figures: {why}.")
   pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
   if not pattern.search(readme):
     raise ValueError(
@@ -110,7 +193,10 @@ def main(argv=None) -> None:
     print(render(results))
     return
   with open(args.readme) as f:
-    text = update_readme(f.read(), results)
+    try:
+      text = update_readme(f.read(), results)
+    except BusyMachineError as e:
+      raise SystemExit(str(e)) from None
   with open(args.readme, "w") as f:
     f.write(text)
 

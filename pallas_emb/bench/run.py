@@ -20,11 +20,12 @@ import optax
 
 import pallas_emb as pe
 from pallas_emb import data as data_lib
-from pallas_emb.bench import stages as bench_stages
 from pallas_emb.bench.dlrm import run_dlrm_stacking
-from pallas_emb.bench.machine import PeakRss, copy_bandwidth, machine_info
+from pallas_emb.bench.machine import copy_bandwidth, machine_info
 from pallas_emb.bench.methods import Dense, FbgemmBackward, Fused, SharedTable, fbgemm_available
+from pallas_emb.bench.optimizers import run_optimizers
 from pallas_emb.bench.plot import plot
+from pallas_emb.bench.timing import profile, time_steps
 from pallas_emb.bench.workloads import floor_bytes, zipf_ids
 from pallas_emb.data.feed import GlobalBatches
 from pallas_emb.job import host_memory
@@ -51,35 +52,8 @@ class BenchConfig:
   profile_steps: int = 10
   huge_pages: bool = True
   keep_freed_memory: bool = True
-
-
-def _summary(times, peak_rss) -> dict:
-  ms = np.asarray(times) * 1e3
-  return {
-    "median_ms": float(np.median(ms)),
-    "min_ms": float(ms.min()),
-    "max_ms": float(ms.max()),
-    "peak_rss_mb": peak_rss / 2**20,
-    "steps": len(ms),
-  }
-
-
-def _time_steps(runners, steps: int, warmup: int) -> dict:
-  """name -> the summary of `steps` timed steps of each runner, interleaved
-  step by step (noise hits every method alike), after `warmup` steps."""
-  for r in runners:  # compile, first touch
-    for _ in range(warmup):
-      r.step()
-  times = {r.name: [] for r in runners}
-  rss = {r.name: PeakRss() for r in runners}
-  for _ in range(steps):
-    for r in runners:
-      with rss[r.name]:
-        tic = time.perf_counter()
-        inner = r.step()
-        elapsed = time.perf_counter() - tic
-      times[r.name].append(inner if isinstance(inner, float) else elapsed)
-  return {name: _summary(t, rss[name].peak) for name, t in times.items()}
+  optimizers: tuple[str, ...] = ()
+  optimizer_vocab: int = 1_000_000
 
 
 def run_workload(
@@ -117,7 +91,7 @@ def run_workload(
   huge_page_bytes = ({"fbgemm": fbgemm.huge_page_bytes} if fbgemm else {}) | (
     {"jax": shared.huge_page_bytes} if shared else {}
   )
-  summary = _time_steps(fused + ([fbgemm] if fbgemm else []), steps, warmup)
+  summary = time_steps(fused + ([fbgemm] if fbgemm else []), steps, warmup)
   if "dense" in methods:
     # The dense update holds a table-sized gradient beside the table. Next
     # to FBGEMM's own copy of the table, W2 (V = 10M: 5.1 GB each) outgrew a
@@ -125,7 +99,7 @@ def run_workload(
     del fbgemm
     gc.collect()
     host_memory.release_free_memory()
-    summary |= _time_steps([Dense(shared, ids, grads)], steps, warmup)
+    summary |= time_steps([Dense(shared, ids, grads)], steps, warmup)
   for r in fused:
     summary[r.name]["backend"] = r.backend
   result = {
@@ -141,16 +115,6 @@ def run_workload(
   if profile_steps:
     result["profile"] = {r.name: profile(r, profile_steps) for r in fused}
   return result
-
-
-def profile(r: Fused, steps: int) -> dict:
-  """The per-stage profile of one fused method; see `stages`."""
-  stages = (
-    bench_stages.native_stages(r.step, lambda: r.plan(r.ids), steps)
-    if r.backend == "native"
-    else bench_stages.xla_stages(r.emb, r.shared, r.ids, r.grads, r.step, steps)
-  )
-  return {"backend": r.backend, "stages_ms": stages}
 
 
 def run_pipelines(steps: int, num_devices: int, batch_size: int) -> dict:
@@ -239,6 +203,19 @@ def run(config: BenchConfig) -> dict:
       flush=True,
     )
   results["workloads"] = [done[k] for k in order]
+  if config.optimizers:
+    results["optimizers"] = run_optimizers(
+      config.optimizers,
+      config.optimizer_vocab,
+      config.ids[0],
+      config.dim,
+      bandwidth,
+      config.steps,
+      config.warmup,
+      profile_steps=config.profile_steps,
+      huge_pages=config.huge_pages,
+      with_fbgemm="fbgemm" in methods,
+    )
   if config.pipeline_steps:
     results["pipelines"] = run_pipelines(
       config.pipeline_steps, config.pipeline_devices, config.pipeline_batch_size
@@ -248,10 +225,12 @@ def run(config: BenchConfig) -> dict:
       + "  ".join(f"{k} {v['examples_per_sec']:.0f} ex/s" for k, v in results["pipelines"].items()),
       flush=True,
     )
-  # Other processes share the cores: the load during the run says how far
-  # its absolute times can be trusted (the ratios, interleaved, hold better).
+  # Other processes share the cores and the memory: the load and the copy
+  # bandwidth at the start and the end say how far its times can be trusted
+  # (the ratios, interleaved, hold better).
   results["machine"]["load_avg_at_start"] = results["machine"].pop("load_avg")
   results["machine"]["load_avg_at_end"] = list(os.getloadavg())
+  results["machine"]["copy_bandwidth_end_gbps"] = copy_bandwidth() / 1e9
   with open(config.json, "w") as f:
     json.dump(results, f, indent=2)
   if config.plot:

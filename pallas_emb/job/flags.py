@@ -131,6 +131,12 @@ flags.DEFINE_string(
 )
 flags.DEFINE_integer("seed", 0, "Seed of the data and the initial parameters.")
 flags.DEFINE_bool(
+  "debug",
+  False,
+  "Show the traceback of the library's own errors (also PALLAS_EMB_DEBUG=1); "
+  "without it they are one line with their fix.",
+)
+flags.DEFINE_bool(
   "keep_freed_memory",
   True,
   "Keep freed heap memory between steps (XLA:CPU "

@@ -21,12 +21,15 @@ from __future__ import annotations
 import json
 import logging as std_logging
 import os
+import sys
 import time
 
 import jax
 import numpy as np
 from absl import logging
 
+from pallas_emb.data.base import DataError
+from pallas_emb.errors import PallasEmbError
 from pallas_emb.job import distributed, evaluation, host_memory
 from pallas_emb.job.build import Job, build
 from pallas_emb.job.distributed import log
@@ -194,4 +197,15 @@ def _write_outputs(emb, state, report: dict) -> None:
 
 
 def main(argv):
-  run(argv)
+  """The job's absl main. The library's own errors (`PallasEmbError`, a bad
+  data file's `DataError`) name what is wrong and the fix: they are printed
+  as one line, and exit with status 1, without the traceback that --debug
+  (or PALLAS_EMB_DEBUG=1) shows."""
+  try:
+    run(argv)
+  except (PallasEmbError, DataError) as e:
+    if FLAGS.debug or os.environ.get("PALLAS_EMB_DEBUG", "0") not in ("", "0"):
+      raise
+    message = " ".join(str(e).split())
+    print(f"pallas_emb: {type(e).__name__}: {message}", file=sys.stderr, flush=True)
+    sys.exit(1)

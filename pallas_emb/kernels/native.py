@@ -11,9 +11,12 @@ Three operations run natively on a CPU device (the library: `native_lib`):
   owner side of a multi-device step); same contract as `xla.fused_update`.
 
 The update runs for float32 tables whose optimizer names a native rule
-(`native_rule()`: SGD, Adagrad, RowWiseAdagrad without lazy decay; see
-csrc/row_rules.h). `supports` says whether a call can run here; for any other
-optimizer or dtype the caller runs the XLA path, call by call.
+(`native_rule()`: SGD, Adagrad, RowWiseAdagrad, LazyAdam, FTRL with
+learning_rate_power -0.5 or 0; see csrc/row_rules.h). `supports` says
+whether a call can run here; for any other optimizer or dtype the caller runs
+the XLA path, call by call. What a rule needs of a transcendental function
+(LazyAdam's bias corrections, the lazy decay of RowWiseAdagrad) XLA computes
+per row, with the optimizer's own code, before the call (`per_row`).
 
 Exactness against the XLA path, the oracle (tests/test_native.py):
 
@@ -30,9 +33,11 @@ Exactness against the XLA path, the oracle (tests/test_native.py):
   does not). Mirroring that bit for bit would mean redefining `update_rows`
   for every backend, the TPU kernel's included, around XLA:CPU's current code
   generation. The C++ instead rounds every operation once, in a fixed order:
-  its results are deterministic, the same for any thread count and on every
-  CPU of its architecture. Measured: at most 2 ulps apart with contraction
-  off (the tests' setting), 3 with it on (weight decay).
+  its results are deterministic, the same for any thread count, instruction
+  set and CPU of its architecture. Measured with contraction off (the tests'
+  setting, three steps on 1 and 4 devices): row-wise Adagrad's rows up to 4
+  ulps apart (its mean), every other rule's rows and slots at most 2, and
+  LazyAdam's and FTRL's slots bit for bit.
 * The norm is the square root of the sum, in row order, of each row's sum of
   squares: deterministic, equal to XLA's to float32 rounding; the gate agrees
   except within rounding of float32 overflow.
@@ -40,7 +45,7 @@ Exactness against the XLA path, the oracle (tests/test_native.py):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import jax
@@ -55,9 +60,17 @@ from pallas_emb.kernels.protocol import RowUpdate
 # float32 ulps of the operands' magnitude (see the module docstring).
 ULP_TOLERANCE = 4
 
-# Slots each native rule keeps (all float32): the rule reads its one slot,
-# whatever the optimizer names it.
-_RULE_SLOTS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 1}
+# The slots of each native rule, in the order its kernels take them, and
+# their dtypes (csrc/row_rules.h: kSlotIsInt).
+_F32, _I32 = np.dtype(np.float32), np.dtype(np.int32)
+_RULE_SLOTS = {
+  "sgd": (),
+  "adagrad": (("acc", _F32),),
+  "rowwise_adagrad": (("acc", _F32),),
+  "rowwise_adagrad_lazy": (("acc", _F32), ("last_step", _I32)),
+  "lazy_adam": (("m", _F32), ("v", _F32), ("count", _I32)),
+  "ftrl": (("accumulator", _F32), ("linear", _F32)),
+}
 
 
 def unique_keys(keys: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -85,7 +98,9 @@ def unique_keys(keys: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array, j
 
 class _Rule(NamedTuple):
   target: str  # handler name prefix
-  static: tuple[float, ...]  # hyperparameters after the learning rate
+  static: tuple[float, ...]  # hyperparameters after the optimizer's scalars
+  slots: tuple[str, ...]  # slot names in the kernels' order
+  per_row: Callable | None  # (slot rows, scalars) -> (C, k) float32
 
 
 def _rule(optimizer: RowUpdate, dtype) -> _Rule | None:
@@ -96,15 +111,21 @@ def _rule(optimizer: RowUpdate, dtype) -> _Rule | None:
   found = native_rule() if native_rule is not None else None
   if found is None:
     return None
-  name, static = found
+  name, static, per_row = (tuple(found) + (None,))[:3]
   specs = optimizer.slot_specs()
+  want = _RULE_SLOTS.get(name)
   if (
-    name not in _RULE_SLOTS
-    or len(specs) != _RULE_SLOTS[name]
-    or any(np.dtype(s.dtype) != np.float32 for s in specs.values())
+    want is None
+    or set(specs) != {k for k, _ in want}
+    or any(np.dtype(specs[k].dtype) != t for k, t in want)
   ):
     return None
-  return _Rule(native_lib.RULE_TARGETS[name], tuple(float(x) for x in static))
+  return _Rule(
+    native_lib.RULE_TARGETS[name],
+    tuple(float(x) for x in static),
+    tuple(k for k, _ in want),
+    per_row,
+  )
 
 
 def supports(optimizer: RowUpdate, dtype) -> bool:
@@ -113,29 +134,52 @@ def supports(optimizer: RowUpdate, dtype) -> bool:
 
 
 def _scalars(rule: _Rule, scalars: NamedTuple) -> jax.Array:
-  # The learning rate may be traced (a schedule); the rest are constants.
-  lr = jnp.asarray(scalars[0], jnp.float32).reshape(())
-  return jnp.stack([lr] + [jnp.float32(x) for x in rule.static])
+  # The optimizer's scalars may be traced (a schedule, the step); the rest
+  # are constants.
+  return jnp.stack(
+    [jnp.asarray(x, jnp.float32).reshape(()) for x in scalars]
+    + [jnp.float32(x) for x in rule.static]
+  )
+
+
+def _per_row(rule: _Rule, optimizer: RowUpdate, slots, rows, scalars, dim) -> jax.Array:
+  """(C, k) float32 values of each listed row that the rule takes from XLA
+  (`native_rule`'s per_row), or (C, 0)."""
+  if rule.per_row is None:
+    return jnp.zeros((rows.shape[0], 0), jnp.float32)
+  specs = optimizer.slot_specs()
+  # Padding (-1) reads zeros; XLA drops the gathers per_row does not use.
+  idx = jnp.where(rows >= 0, rows, jnp.iinfo(jnp.int32).max)
+  slot_rows = {
+    k: jnp.take(specs[k].as_rows(v, dim), idx, axis=0, mode="fill", fill_value=0)
+    for k, v in slots.items()
+  }
+  out = jnp.asarray(rule.per_row(slot_rows, scalars), jnp.float32)
+  return out.reshape(rows.shape[0], -1)
 
 
 def _call(
   rule: _Rule, kind: str, table, slots: Mapping[str, jax.Array], operands, extra_results=()
 ):
-  names = list(slots)
+  names = rule.slots
   # Slots go in their stored shape: a per-row scalar stored lane-dense,
   # (rows / 128, 128), has the bytes of (rows, 1) in the same order, and the
   # kernels only check its element count. A reshape here would make XLA copy
   # the slot in and out on every step (it does not alias a reshaped operand).
+  # The handlers take the table, the operands, then the slots, and return the
+  # table, the extra results (the norm), then the slots, aliased.
+  extra = len(extra_results)
   results = (
     (jax.ShapeDtypeStruct(table.shape, table.dtype),)
-    + tuple(jax.ShapeDtypeStruct(slots[k].shape, slots[k].dtype) for k in names)
     + tuple(extra_results)
+    + tuple(jax.ShapeDtypeStruct(slots[k].shape, slots[k].dtype) for k in names)
   )
-  aliases = {i: i for i in range(1 + len(names))}
+  first_slot = 1 + len(operands)
+  aliases = {0: 0} | {first_slot + i: 1 + extra + i for i in range(len(names))}
   out = jax.ffi.ffi_call(rule.target + kind, results, input_output_aliases=aliases)(
-    table, *(slots[k] for k in names), *operands
+    table, *operands, *(slots[k] for k in names)
   )
-  return out[0], dict(zip(names, out[1 : 1 + len(names)])), out[1 + len(names) :]
+  return out[0], dict(zip(names, out[1 + extra :])), out[1 : 1 + extra]
 
 
 def _require(optimizer: RowUpdate, dtype) -> _Rule:
@@ -170,12 +214,13 @@ def fused_update(
   """
   checks.check_update(table, slots, rows, grads, scalars, optimizer=optimizer, dtype=dtype)
   rule = _require(optimizer, dtype)
+  per_row = _per_row(rule, optimizer, slots, rows, scalars, grads.shape[1])
   table, slots, _ = _call(
     rule,
     "RowUpdate",
     table,
     slots,
-    (rows, grads, _scalars(rule, scalars), jnp.asarray(apply, jnp.bool_)),
+    (rows, grads, _scalars(rule, scalars), per_row, jnp.asarray(apply, jnp.bool_)),
   )
   return table, slots
 
@@ -212,12 +257,20 @@ def segment_sum_update(
   )
   checks.check_optimizer_state(table, slots, scalars, optimizer, dim)
   rule = _require(optimizer, dtype)
+  per_row = _per_row(rule, optimizer, slots, rows, scalars, dim)
   table, slots, (norm,) = _call(
     rule,
     "SegsumUpdate",
     table,
     slots,
-    (rows, inverse, token_grads, _scalars(rule, scalars), jnp.asarray(gate, jnp.bool_)),
+    (
+      rows,
+      inverse,
+      token_grads,
+      _scalars(rule, scalars),
+      per_row,
+      jnp.asarray(gate, jnp.bool_),
+    ),
     extra_results=(jax.ShapeDtypeStruct((), jnp.float32),),
   )
   return table, slots, norm

@@ -44,7 +44,14 @@ DISTRIBUTION = "pallas-emb"
 
 # The handlers of csrc/: unique_keys.cc and sparse_update.cc.
 UNIQUE_KEYS = "PeUniqueKeys"
-RULE_TARGETS = {"sgd": "PeSgd", "adagrad": "PeAdagrad", "rowwise_adagrad": "PeRowwiseAdagrad"}
+RULE_TARGETS = {
+  "sgd": "PeSgd",
+  "adagrad": "PeAdagrad",
+  "rowwise_adagrad": "PeRowwiseAdagrad",
+  "rowwise_adagrad_lazy": "PeRowwiseAdagradLazy",
+  "lazy_adam": "PeLazyAdam",
+  "ftrl": "PeFtrl",
+}
 TARGETS = (UNIQUE_KEYS,) + tuple(
   prefix + kind for prefix in RULE_TARGETS.values() for kind in ("SegsumUpdate", "RowUpdate")
 )

@@ -77,15 +77,34 @@ class LazyAdam(base.EmbeddingOptimizer, FusedAsyncEmbUpdate):
   def scalars(self, step) -> AdamScalars:
     return AdamScalars(base.learning_rate_at(self.learning_rate, step))
 
+  def bias_corrections(self, count: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(1 - b1 ** t, 1 - b2 ** t), float32 of count's shape, for the
+    updated per-row counts t = `count` (int32)."""
+    t = count.astype(jnp.float32)
+    return tuple(
+      jnp.broadcast_to(jnp.asarray(_bias_correction(b, t), jnp.float32), t.shape)
+      for b in (self.b1, self.b2)
+    )
+
+  def native_rule(self):
+    """("lazy_adam", (b1, b2, eps), per_row): the C++ rule of the native CPU
+    backend, whose bias corrections (per row, from the `count` slot) XLA
+    computes with `bias_corrections`; or None for a subclass with its own
+    `update_rows`."""
+    if type(self).update_rows is not LazyAdam.update_rows:
+      return None
+    per_row = lambda slots, scalars: jnp.concatenate(
+      self.bias_corrections(slots["count"] + 1), axis=-1
+    )
+    return "lazy_adam", (self.b1, self.b2, self.eps), per_row
+
   def update_rows(self, rows, slots, grads, scalars: AdamScalars):
     count = slots["count"] + 1
-    t = count.astype(jnp.float32)
+    bc1, bc2 = self.bias_corrections(count)
     b1, b2 = np.float32(self.b1), np.float32(self.b2)
     m = b1 * slots["m"] + (1 - b1) * grads
     v = b2 * slots["v"] + (1 - b2) * (grads * grads)
-    update = (m / _bias_correction(self.b1, t)) / (
-      jnp.sqrt(v / _bias_correction(self.b2, t)) + np.float32(self.eps)
-    )
+    update = (m / bc1) / (jnp.sqrt(v / bc2) + np.float32(self.eps))
     return rows - scalars.learning_rate * update, {"m": m, "v": v, "count": count}
 
 

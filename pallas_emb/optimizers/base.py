@@ -15,8 +15,11 @@ and one flag:
 
 Optionally, `native_rule()` names the C++ rule (csrc/row_rules.h) that does
 the same math on CPU, with its static hyperparameters, as
-`(name, (floats...))`, or returns None; without it the native CPU backend
-runs the optimizer on the XLA path.
+`(name, (floats...))` or `(name, (floats...), per_row)`, or returns None;
+without it the native CPU backend runs the optimizer on the XLA path.
+`per_row(slot_rows, scalars) -> (C, k) float32` gives the values of each row
+the rule takes from XLA (what needs XLA's transcendental functions), from
+the rows' slots, (C, width) each, with the optimizer's own functions.
 
 `update_rows` sees only rows that are in the batch (a lazy, sparse update):
 rows, grads and width-`dim` slots are (C, dim) float32, scalar-per-row slots
@@ -26,6 +29,7 @@ reduce within a row, and must return arrays of the shapes and dtypes it got.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import ClassVar, NamedTuple, Protocol, runtime_checkable
@@ -103,3 +107,39 @@ def learning_rate_at(lr: LearningRate, step: jax.Array) -> jax.Array:
   """The learning rate at `step` as a float32 scalar."""
   value = lr(step) if callable(lr) else lr
   return jnp.asarray(value, jnp.float32)
+
+
+def reads_step(optimizer, dim: int) -> bool:
+  """Whether `optimizer`'s row update depends on the step: a learning-rate
+  schedule, a decay by the steps elapsed since a row was touched...
+
+  Found by tracing `update_rows(..., scalars(step))` at width `dim` and
+  following the step through its equations (an equation with any input
+  that depends on it makes all its outputs depend on it), so the answer
+  errs towards True. A stack of tables whose update reads the step updates
+  each member at its own step (`pallas_emb.shard_ops`).
+  """
+  try:
+    return _reads_step(optimizer, dim)
+  except TypeError:  # an unhashable optimizer: not cached
+    return _reads_step.__wrapped__(optimizer, dim)
+
+
+@functools.lru_cache(maxsize=256)
+def _reads_step(optimizer, dim: int) -> bool:
+  rows = jax.ShapeDtypeStruct((8, dim), jnp.float32)
+  slots = {
+    k: jax.ShapeDtypeStruct((8, s.width_for(dim)), s.dtype)
+    for k, s in optimizer.slot_specs().items()
+  }
+
+  def update(step, rows, slots, grads):
+    return optimizer.update_rows(rows, slots, grads, optimizer.scalars(step))
+
+  jaxpr = jax.make_jaxpr(update)(jax.ShapeDtypeStruct((), jnp.int32), rows, slots, rows).jaxpr
+  variables = lambda vs: [v for v in vs if not hasattr(v, "val")]  # literals have .val
+  dependent = {jaxpr.invars[0]}
+  for eqn in jaxpr.eqns:
+    if any(v in dependent for v in variables(eqn.invars)):
+      dependent.update(eqn.outvars)
+  return any(v in dependent for v in variables(jaxpr.outvars))

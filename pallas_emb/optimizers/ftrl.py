@@ -114,6 +114,24 @@ class FTRL(base.EmbeddingOptimizer, FusedAsyncEmbUpdate):
   def scalars(self, step) -> FTRLScalars:
     return FTRLScalars(base.learning_rate_at(self.learning_rate, step))
 
+  def native_rule(self):
+    """("ftrl", (learning_rate_power, l1, l2, beta, multiply)): the C++ rule
+    of the native CPU backend, for learning_rate_power -0.5 (sqrt) or 0; None
+    for other powers (XLA's exp and log, which C++ would not reproduce) or a
+    subclass with its own `update_rows`, which run the XLA path."""
+    if type(self).update_rows is not FTRL.update_rows or self.learning_rate_power not in (
+      0.0,
+      -0.5,
+    ):
+      return None
+    return "ftrl", (
+      self.learning_rate_power,
+      self.l1,
+      self.l2,
+      self.beta,
+      float(self.multiply_linear_by_learning_rate),
+    )
+
   def _power(self, n: jax.Array) -> jax.Array:
     """n ** -k for n >= 0, with k = learning_rate_power (static)."""
     k = self.learning_rate_power

@@ -87,13 +87,25 @@ class RowWiseAdagrad(base.EmbeddingOptimizer, FusedAsyncEmbUpdate):
       base.learning_rate_at(self.learning_rate, step), jnp.asarray(step, jnp.float32)
     )
 
+  def lazy_decay_factor(self, last_step: jax.Array, step: jax.Array) -> jax.Array:
+    """decay ** (step - last_step), float32 of last_step's shape: the decay a
+    row touched at `last_step` owes at `step` (lazy_decay)."""
+    elapsed = step - last_step.astype(jnp.float32)
+    return jnp.exp(elapsed * np.float32(math.log(self.decay)))
+
   def native_rule(self):
-    """("rowwise_adagrad", (eps, decay, weight_decay)): the C++ rule of the
-    native CPU backend doing this math, or None (lazy decay, or a subclass
-    with its own `update_rows`), which runs the XLA path."""
-    if self.lazy_decay or type(self).update_rows is not RowWiseAdagrad.update_rows:
+    """The C++ rule of the native CPU backend doing this math:
+    ("rowwise_adagrad", (eps, decay, weight_decay)), with lazy decay
+    ("rowwise_adagrad_lazy", same, per_row), whose factor XLA computes per row
+    with `lazy_decay_factor`; or None for a subclass with its own
+    `update_rows`, which runs the XLA path."""
+    if type(self).update_rows is not RowWiseAdagrad.update_rows:
       return None
-    return "rowwise_adagrad", (self.eps, self.decay, self.weight_decay)
+    static = (self.eps, self.decay, self.weight_decay)
+    if not self.lazy_decay:
+      return "rowwise_adagrad", static
+    per_row = lambda slots, scalars: self.lazy_decay_factor(slots["last_step"], scalars.step)
+    return "rowwise_adagrad_lazy", static, per_row
 
   def update_rows(self, rows, slots, grads, scalars: RowWiseAdagradScalars):
     mean_sq = jnp.mean(grads * grads, axis=-1, keepdims=True)
@@ -101,8 +113,7 @@ class RowWiseAdagrad(base.EmbeddingOptimizer, FusedAsyncEmbUpdate):
     new_slots = {}
     if self.decay != 1.0:
       if self.lazy_decay:
-        elapsed = scalars.step - slots["last_step"].astype(jnp.float32)
-        acc = acc * jnp.exp(elapsed * np.float32(math.log(self.decay)))
+        acc = acc * self.lazy_decay_factor(slots["last_step"], scalars.step)
       else:
         acc = acc * np.float32(self.decay)
     if self.lazy_decay:

@@ -182,7 +182,11 @@ def build(topology: str, workload: Workload, pipeline: str = "async"):
     params=params,
     opt_state=_abstract(state.opt_state, replicated),
     step=_abstract(state.step, replicated),
-    tables=_sharded(state.tables, mesh),
+    # A stack's step is (M,), one per member: replicated like a scalar.
+    tables={
+      n: t._replace(step=_abstract(t.step, replicated))
+      for n, t in _sharded(state.tables, mesh).items()
+    },
     pending=_sharded(state.pending, mesh),
     lookups=_sharded(state.lookups, mesh),
   )

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
+from pallas_emb import placement
 from pallas_emb.spec import TableSpec
 from pallas_emb.stacking.plan import Group
 from pallas_emb.state import TableState
@@ -64,15 +65,15 @@ def _split(group: Group, num_shards: int, i: int, sharding, state: TableState) -
   spec, mspec = group.spec, group.tables[i]
   rps = _member_layout(mspec, num_shards).rows_per_shard
   slots = spec.optimizer.slot_specs()
-  put = lambda x: jax.lax.with_sharding_constraint(x, sharding)
-  return TableState(
-    put(_take(state.table, idx)),
-    {
-      k: put(slots[k].as_stored(_take(slots[k].as_rows(v, spec.dim), idx), spec.dim, rps))
-      for k, v in state.slots.items()
-    },
-    state.step,
-  )
+
+  def gather(table, state_slots):
+    return _take(table, idx), {
+      k: slots[k].as_stored(_take(slots[k].as_rows(v, spec.dim), idx), spec.dim, rps)
+      for k, v in state_slots.items()
+    }
+
+  table, member_slots = placement.rearrange(gather, sharding)(state.table, state.slots)
+  return TableState(table, member_slots, state.step[i] if group.members is not None else state.step)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
@@ -82,19 +83,20 @@ def _join(group: Group, num_shards: int, sharding, states) -> TableState:
   rps = group.layout(num_shards).rows_per_shard
   slots = spec.optimizer.slot_specs()
   cat = lambda xs: jax.numpy.concatenate(xs, axis=0)
-  put = lambda x: jax.lax.with_sharding_constraint(x, sharding)
-  return TableState(
-    put(_take(cat([s.table for s in states]), idx)),
-    {
-      k: put(
-        slots[k].as_stored(
-          _take(cat([slots[k].as_rows(s.slots[k], spec.dim) for s in states]), idx), spec.dim, rps
-        )
+
+  def gather(tables, member_slots):
+    return _take(cat(tables), idx), {
+      k: slots[k].as_stored(
+        _take(cat([slots[k].as_rows(s[k], spec.dim) for s in member_slots]), idx), spec.dim, rps
       )
-      for k in states[0].slots
-    },
-    states[0].step,
+      for k in member_slots[0]
+    }
+
+  table, group_slots = placement.rearrange(gather, sharding)(
+    [s.table for s in states], [s.slots for s in states]
   )
+  step = jax.numpy.stack([s.step for s in states]) if group.members is not None else states[0].step
+  return TableState(table, group_slots, step)
 
 
 def member_state(
@@ -102,7 +104,7 @@ def member_state(
 ) -> TableState:
   """Member `table`'s state as if it were stored alone (its own physical
   layout over `num_shards`, row-sharded by `sharding`), from its group's
-  `state`; it shares the group's step."""
+  `state`, with its own step (a stack's step is (M,), one per member)."""
   if group.members is None and not group.replicated:
     return state
   return _split(group, num_shards, [t.name for t in group.tables].index(table), sharding, state)
@@ -124,8 +126,8 @@ def group_state(
   group: Group, num_shards: int, sharding, states: Mapping[str, TableState]
 ) -> TableState:
   """The inverse of `member_states`: the group's state from each member's
-  own (the step of the group is its first member's). `sharding`: the
-  group's placement."""
+  own (a stack's step: the members' steps, (M,)). `sharding`: the group's
+  placement."""
   if group.members is None and not group.replicated:
     return states[group.name]
   return _join(group, num_shards, sharding, tuple(states[t.name] for t in group.tables))

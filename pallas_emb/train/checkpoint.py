@@ -2,28 +2,28 @@
 
 A preemption loses nothing: besides tables, slots, dense parameters, their
 optimizer state and the step, a checkpoint holds the deferred embedding
-gradient of the async pipeline (the reference flushes it before a checkpoint
-and never saves it). Nothing saved depends on the device count:
+gradient of the async pipeline and the started lookup of the next batch
+(`checkpoint_pending`). Nothing saved depends on the device count:
 
 * tables and slots are saved per logical table, each in the physical layout
   it would have alone (whether or not it is stacked with others, see
-  `pallas_emb.stacking`) together with that layout, and restored through
-  `RowLayout.reshard` when the shard count changed: a checkpoint restores
-  with stacking on or off and under any grouping;
-* the pending gradient is saved per logical table and feature, as (B, L,
-  dim) token gradients in batch order, not in the per-device order of the
-  routing; so are the embeddings of the started lookup (B, dim) or (B, L,
-  dim);
-* routing plans are not saved: restore plans them again on its own mesh
-  from the batches at the data position, which the caller supplies.
+  `pallas_emb.stacking`), with its own step, together with that layout, and
+  restored through `RowLayout.reshard` when the shard count changed: a
+  checkpoint restores with stacking on or off and under any grouping;
+* the pending update and the lookup's embeddings are saved per logical
+  table and feature, in batch order; routing plans are not saved.
 
-A run restored onto the same mesh continues bit-for-bit as if never stopped.
+A trainer of the same pipeline and batch shapes restores the pending update
+as it was: a run restored onto the same mesh continues bit for bit as if
+never stopped. A trainer of another batch size or pipeline (sync, exact)
+gets the pending update applied at restore: it continues as a run that
+flushed at that step.
 
 Every step is verified as it is read back (`checkpoint_dir`): restore takes
 the newest step that reads back intact, says which newer ones it skipped and
 why, and raises `CheckpointCorruptError` when none does. A checkpoint
-written with other tables, optimizer, batch shapes or pipeline is refused
-with `CheckpointMismatchError` before any array is read.
+written with other tables or optimizers is refused with
+`CheckpointMismatchError` before any array is read.
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_emb import async_emb, programs, tokens
 from pallas_emb import state as state_lib
 from pallas_emb.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from pallas_emb.inputs import token_shape
 from pallas_emb.state import TableState
+from pallas_emb.train import checkpoint_pending
 from pallas_emb.train.checkpoint_dir import CheckpointDir, StepUnreadable
 from pallas_emb.train.step import Trainer, TrainState
 from sharding.layout import RowLayout
@@ -50,37 +50,12 @@ __all__ = ["CheckpointError", "Checkpointer", "Restored"]
 log = logging.getLogger("pallas_emb.checkpoint")
 
 
-# Token gradients between the mesh's device order and per-feature arrays.
-_to_features = jax.jit(tokens.from_device_order, static_argnums=(1, 2, 3))
-_to_devices = jax.jit(tokens.to_device_order, static_argnums=(1, 2))
-
-
-def _token_layout(ctx, batch_shapes: Mapping[str, Any]):
-  """(feature names, their (B, L)) of a context's table, as static tuples."""
-  names = tuple(f.name for f in ctx.features)
-  return names, tuple(tuple(int(v) for v in batch_shapes[n]) for n in names)
-
-
 def _table_dict(ts: TableState) -> dict:
   return {"table": ts.table, "slots": dict(ts.slots), "step": ts.step}
 
 
 def _abstract(x) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-
-
-def _members(trainer: Trainer, name: str) -> tuple[str, ...]:
-  """The logical tables stored in physical table `name`."""
-  return next(tuple(t.name for t in g.tables) for g in trainer.emb.groups if g.name == name)
-
-
-def _per_table(trainer: Trainer, name: str, per_feature: Mapping) -> dict:
-  """Feature -> value of physical table `name` -> logical table ->
-  feature -> value."""
-  return {
-    t: {f.name: per_feature[f.name] for f in trainer.emb.logical_features(t)}
-    for t in _members(trainer, name)
-  }
 
 
 def _optimizer_meta(opt) -> dict:
@@ -147,21 +122,12 @@ class Checkpointer:
 
     Raises:
       CheckpointDirError: the write failed (permissions, full disk...).
+      MeshMismatchError: `state` is not on this trainer's mesh.
     """
     tr = self.trainer
+    tr.emb.check_on_mesh(state, "the train state")
     step = int(jax.device_get(state.step))
-    pending, lookup_acts = {}, {}
-    for name, ctx in tr.contexts:
-      names, shapes = _token_layout(ctx, batch_shapes)
-      grads = _to_features(state.pending[name].grads, names, shapes, ctx.group_size)
-      pending.update(
-        (t, {"pending": state.pending[name].pending, "grads": g})
-        for t, g in _per_table(tr, name, grads).items()
-      )
-      # The started lookup's embeddings are saved rather than recomputed on
-      # restore, so a resumed run is bit-identical whatever XLA fuses them
-      # into.
-      lookup_acts.update(_per_table(tr, name, state.lookups[name].acts))
+    pending, lookup_acts = checkpoint_pending.save_items(tr, state, batch_shapes)
     item = {
       "params": state.params,
       "opt_state": state.opt_state,
@@ -186,6 +152,9 @@ class Checkpointer:
       "use_async_emb": tr.config.use_async_emb,
       "exact": tr.config.exact,
       "batch_shapes": {k: list(v) for k, v in batch_shapes.items()},
+      # The pending update's token ids are saved (it can be applied at
+      # restore); earlier checkpoints lack them.
+      "pending_ids": True,
       "extra": dict(extra or {}),
     }
     self.dir.write(step, item, meta)
@@ -225,16 +194,21 @@ class Checkpointer:
       template: a state of this trainer (e.g. from `init`): gives the
         structure and shardings of the dense state. It is not modified.
       batch_at: data position -> the training batch at that index (global
-        device arrays or host arrays). The pending update is rebuilt from
-        `batch_at(step - 1)`, the started lookup from `batch_at(step)`.
+        device arrays or host arrays), of this trainer's batch size. The
+        started lookup is of `batch_at(step)`; restored as saved (same
+        pipeline and batch shapes), the pending update is routed again
+        from `batch_at(step - 1)`.
       step: restore this step or fail; default: the newest intact one.
 
     Raises:
       CheckpointError: there is no checkpoint.
-      CheckpointMismatchError: tables, optimizer, batch shapes or pipeline
-        differ from the trainer's.
+      CheckpointMismatchError: tables or optimizers differ from the
+        trainer's.
       CheckpointCorruptError: no step (or not `step`) reads back intact.
+      MeshMismatchError: `template` is not on this trainer's mesh.
     """
+    tr = self.trainer
+    tr.emb.check_on_mesh(template, "the template state")
     candidates = self.dir.steps() if step is None else [step]
     if not candidates:
       raise CheckpointError(f"no checkpoint to restore in {self.directory!r}.")
@@ -242,16 +216,24 @@ class Checkpointer:
     for s in candidates:
       try:
         meta = self.dir.read_meta(s)
-        self._check_compatible(meta, batch_at(s), s)
-        item = self.dir.read_state(s, self._target(template, meta), meta)
+        self._check_compatible(meta, s)
+        as_saved = self._as_saved(meta, batch_at(s))
+        item = self.dir.read_state(s, self._target(template, meta, as_saved, s), meta)
       except StepUnreadable as e:
         skipped.append((s, str(e)))
         log.warning("checkpoint step %d in %s is not intact, skipped: %s", s, self.directory, e)
         continue
-      tables = self.trainer.emb.from_member_states(
+      tables = tr.emb.from_member_states(
         {name: self._table(name, meta, d) for name, d in item["tables"].items()}
       )
-      pending, lookups = self._pipeline(tables, item, meta, batch_at, s)
+      if as_saved:
+        pending, lookups = checkpoint_pending.restore_as_saved(
+          tr, tables, item, meta["batch_shapes"], batch_at, s
+        )
+      else:
+        self._check_flushable(meta, item, s)
+        tables = checkpoint_pending.apply_saved(tr.emb, tables, item["pending"])
+        pending, lookups = checkpoint_pending.restore_flushed(tr, tables, batch_at, s)
       if self.dir.writable:
         for bad, _ in skipped:
           self.dir.quarantine(bad)
@@ -270,9 +252,10 @@ class Checkpointer:
     old = RowLayout(info["num_rows"], meta["num_shards"], info["layout"])
     return None if old == self.trainer.emb.logical_layout(name) else old
 
-  def _target(self, template: TrainState, meta: dict) -> dict:
+  def _target(self, template: TrainState, meta: dict, as_saved: bool, step: int) -> dict:
     """What orbax restores into: this mesh's shardings where the layout is
-    unchanged, host arrays of the saved layout where it changed."""
+    unchanged, host arrays of the saved layout where it changed; the pending
+    update on this mesh when restored as saved, else as host arrays."""
     tr = self.trainer
     tables = {}
     for name, ts in tr.emb.member_states(template.tables).items():
@@ -292,20 +275,14 @@ class Checkpointer:
         },
         "step": np.zeros((), np.int32),
       }
-    pending, lookup_acts = {}, {}
-    for name, ctx in tr.contexts:
-      names, shapes = _token_layout(ctx, meta["batch_shapes"])
-      grads = {
-        n: jax.ShapeDtypeStruct((*shape, ctx.emb_width), jnp.float32, sharding=tr.emb.sharding())
-        for n, shape in zip(names, shapes)
-      }
-      flag = jax.ShapeDtypeStruct((), jnp.bool_, sharding=tr.emb.sharding(rows=False))
-      pending.update(
-        (t, {"pending": flag, "grads": g}) for t, g in _per_table(tr, name, grads).items()
-      )
-      lookup_acts.update(
-        _per_table(tr, name, jax.tree.map(_abstract, dict(template.lookups[name].acts)))
-      )
+    if as_saved:
+      pending, lookup_acts = checkpoint_pending.device_targets(tr, template, meta["batch_shapes"])
+      if not meta.get("pending_ids"):
+        for v in pending.values():
+          del v["ids"]
+    else:
+      host = self.dir.host_target(step)
+      pending, lookup_acts = host.get("pending", {}), host.get("lookup_acts", {})
     return {
       "params": jax.tree.map(_abstract, template.params),
       "opt_state": jax.tree.map(_abstract, template.opt_state),
@@ -329,40 +306,33 @@ class Checkpointer:
       jax.device_put(jnp.asarray(d["step"], jnp.int32), emb.sharding(rows=False)),
     )
 
-  def _pipeline(self, tables, item, meta, batch_at, step):
-    """The pending updates and started lookups of the async pipelines.
+  def _as_saved(self, meta: dict, batch) -> bool:
+    """Whether the pending update restores as saved: the same pipeline and
+    batch shapes (otherwise it is applied at restore)."""
+    cfg = self.trainer.config
+    shapes = {k: list(token_shape(v)) for k, v in batch["ids"].items()}
+    return (meta["use_async_emb"], meta["exact"]) == (cfg.use_async_emb, cfg.exact) and all(
+      shapes.get(k) == v for k, v in meta["batch_shapes"].items()
+    )
 
-    Routing plans are not saved: they are functions of the ids, so they are
-    planned again on this mesh from the batches at the data position.
-    """
-    tr = self.trainer
-    pending, lookups = {}, {}
-    if not tr.contexts:
-      return pending, lookups
-    pending_batch, next_batch = batch_at(step - 1), batch_at(step)
-    for name, ctx in tr.contexts:
-      members = _members(tr, name)
-      started = async_emb.lookup_start(ctx, tables[name].table, ctx.table_inputs(next_batch["ids"]))
-      lookups[name] = started._replace(
-        acts={k: v for t in members for k, v in item["lookup_acts"][t].items()}
-      )
-      if tr.config.exact or step == 0:
-        pending[name] = async_emb.empty_gradient_update(ctx)
-        continue
-      # The members of a stack were saved with the same pending flag.
-      flag = item["pending"][members[0]]["pending"]
-      grads = {k: v for t in members for k, v in item["pending"][t]["grads"].items()}
-      names, _ = _token_layout(ctx, meta["batch_shapes"])
-      routed = programs.plan(ctx.sharded_table, tuple(pending_batch["ids"][n] for n in names))
-      pending[name] = async_emb.AsyncEmbGradientUpdate.from_residuals(
-        routed, _to_devices(grads, names, ctx.group_size), flag, ctx.identity
-      )
-    return pending, lookups
+  def _check_flushable(self, meta: dict, item: dict, step: int) -> None:
+    """Checkpoints written before the pending update's token ids were saved
+    restore a pending update only as saved."""
+    if meta.get("pending_ids") or not any(bool(v["pending"]) for v in item["pending"].values()):
+      return
+    raise CheckpointMismatchError(
+      f"checkpoint step {step} in {self.directory!r} holds a pending update "
+      f"of batches shaped {dict(sorted(meta['batch_shapes'].items()))} "
+      f"(use_async_emb={meta['use_async_emb']}, exact={meta['exact']}) "
+      "without its token ids (written by an earlier pallas_emb), so it can "
+      "be applied only by the same pipeline and batch size: resume with "
+      "those, or from a checkpoint written since."
+    )
 
-  def _check_compatible(self, meta: dict, batch, step: int) -> None:
-    """Refuses a checkpoint of other tables, optimizers, batch shapes or
-    pipeline than this trainer's (each would restore wrongly shaped state,
-    or right-shaped state that means something else)."""
+  def _check_compatible(self, meta: dict, step: int) -> None:
+    """Refuses a checkpoint of other tables or optimizers than this
+    trainer's (each would restore wrongly shaped state, or right-shaped
+    state that means something else)."""
     tr = self.trainer
     where = f"checkpoint step {step} in {self.directory!r}"
     for t in tr.emb.tables:
@@ -383,18 +353,3 @@ class Checkpointer:
           "optimizer the checkpoint was written with, or use a new "
           "checkpoint directory."
         )
-    shapes = {k: list(token_shape(v)) for k, v in sorted(batch["ids"].items())}
-    if any(shapes.get(k) != v for k, v in meta["batch_shapes"].items()):
-      raise CheckpointMismatchError(
-        f"{where} was written for batches of ids shaped "
-        f"{dict(sorted(meta['batch_shapes'].items()))}, but the batches now "
-        f"are {shapes}; "
-        "resume with the batch size the checkpoint was written with, or "
-        "use a new checkpoint directory."
-      )
-    if (meta["use_async_emb"], meta["exact"]) != (tr.config.use_async_emb, tr.config.exact):
-      raise CheckpointMismatchError(
-        f"{where} was written by the "
-        f"use_async_emb={meta['use_async_emb']}, exact={meta['exact']} "
-        "pipeline; restore it with the same TrainConfig."
-      )

@@ -209,15 +209,22 @@ class CheckpointDir:
       StepUnreadable: why it is not intact.
     """
     meta = self.read_meta(step)
+    state = self.read_state(step, self.host_target(step), meta)
+    return meta, len(jax.tree.leaves(state))
+
+  def host_target(self, step: int) -> Any:
+    """Host arrays shaped like the arrays of `step` (a restore target).
+
+    Raises:
+      StepUnreadable: its array metadata cannot be read.
+    """
     saved = _attempt(
       "reading its array metadata", lambda: self.manager.item_metadata(step)["state"]
     )
     if saved is None:
       raise StepUnreadable("its array metadata is missing")
     # np.zeros maps zero pages lazily: no table-sized memory until read.
-    target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), saved)
-    state = self.read_state(step, target, meta)
-    return meta, len(jax.tree.leaves(state))
+    return jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), saved)
 
   def quarantine(self, step: int) -> str:
     """Renames step `step` out of the way (kept for inspection), so that a

@@ -127,16 +127,23 @@ class Trainer:
       "overflow_ids", "max_unique_per_shard", "max_ids_per_route",
       "max_rows_per_owner"} (see `TableMetrics`; for async, of the update
       applied in this step, i.e. of step t-1's batch).
+
+    Raises:
+      MeshMismatchError: `state` holds arrays of another mesh (e.g. another
+        trainer's); PlacementError: so do the batches' ids.
     """
+    self.emb.check_on_mesh(state, "the train state")
     batch, next_batch = emb_update.step_batches(self.emb.mesh, self.contexts, batch, next_batch)
     return _jit_step(self, state, batch, next_batch)
 
   def flush(self, state: TrainState):
     """Applies the pending update -> (state, metrics). `state` is donated."""
+    self.emb.check_on_mesh(state, "the train state")
     return _jit_flush(self, state)
 
   def evaluate(self, state: TrainState, batch):
     """(loss, aux) of `batch` on the current tables, without updating."""
+    self.emb.check_on_mesh(state, "the train state")
     return _jit_evaluate(self, state, emb_update.int32_batch(batch))
 
 

@@ -14,9 +14,11 @@ from pallas_emb.validate.inputs import (
 from pallas_emb.validate.state import (
   check_devices,
   check_logical,
+  check_on_mesh,
   check_placement,
   check_state,
   check_tables,
+  describe_mesh,
 )
 
 __all__ = [
@@ -27,8 +29,10 @@ __all__ = [
   "check_ids",
   "check_lookup",
   "check_logical",
+  "check_on_mesh",
   "check_placement",
   "check_state",
   "check_tables",
   "check_token_grads",
+  "describe_mesh",
 ]

@@ -25,8 +25,31 @@ def _device_ids(devices) -> str:
   return str(sorted(d.id for d in devices))
 
 
+def describe_mesh(mesh) -> str:
+  """A mesh in a message: its axes and its devices in mesh order."""
+  axes = ", ".join(f"{n!r}: {s}" for n, s in zip(mesh.axis_names, mesh.devices.shape))
+  return f"mesh {{{axes}}} over devices {[d.id for d in mesh.devices.flat]}"
+
+
+def _same_mesh(a, b) -> bool:
+  # Axis types may differ: a program of an Auto mesh takes arrays of its
+  # Explicit twin and the other way round. Device order and axis names may
+  # not: jit refuses the first ("incompatible devices"), and the second
+  # would shard over another axis.
+  return (
+    a is b
+    or a == b
+    or (
+      a.axis_names == b.axis_names
+      and a.devices.shape == b.devices.shape
+      and all(x.id == y.id for x, y in zip(a.devices.flat, b.devices.flat))
+    )
+  )
+
+
 def check_devices(x: Any, mesh: jax.sharding.Mesh, what: str, error: type, fix: str) -> None:
-  """Refuses a device array committed to other devices than `mesh`'s.
+  """Refuses a device array committed to another mesh than `mesh`: other
+  devices, or the same devices in another order or under other axis names.
 
   Host arrays, uncommitted arrays and tracers pass: the programs place them.
   A committed array elsewhere would otherwise fail inside `jax.jit` with
@@ -39,12 +62,22 @@ def check_devices(x: Any, mesh: jax.sharding.Mesh, what: str, error: type, fix: 
   """
   if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer) or not x.committed:
     return
-  placed, devices = x.sharding.device_set, set(mesh.devices.flat)
-  if placed != devices:
-    raise error(
-      f"{what} is on devices {_device_ids(placed)}, but the mesh "
-      f"is over devices {_device_ids(devices)}; {fix}"
-    )
+  other = getattr(x.sharding, "mesh", None)
+  if isinstance(other, jax.sharding.Mesh) and _same_mesh(other, mesh):
+    return
+  if isinstance(other, jax.sharding.Mesh):
+    where = f"the {describe_mesh(other)}"
+  elif x.sharding.device_set != set(mesh.devices.flat):
+    where = f"devices {_device_ids(x.sharding.device_set)}"
+  else:
+    return  # e.g. one device of a mesh of one
+  raise error(f"{what} is on {where}, but expected the {describe_mesh(mesh)}; {fix}")
+
+
+def check_on_mesh(tree: Any, mesh: jax.sharding.Mesh, what: str, fix: str) -> None:
+  """`check_devices` of every array of a pytree, raising `MeshMismatchError`."""
+  for x in jax.tree.leaves(tree):
+    check_devices(x, mesh, what, MeshMismatchError, fix)
 
 
 def check_placement(arrays: Mapping[str, Any], mesh: jax.sharding.Mesh) -> None:
