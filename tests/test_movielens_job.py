@@ -112,7 +112,7 @@ def _run_in_process(*args):
 
 @pytest.mark.slow
 def test_movielens_job_epochs_eval_best_step_and_tensorboard(tmp_path, capsys, request):
-  path = real_movielens.head(request.config, tmp_path, 5000)
+  path = real_movielens.head(request.config, tmp_path, 3000)
   ml = data.MovieLens.from_file(path)
   ckpt, tb = tmp_path / "ckpt", tmp_path / "tb"
   report = _run_in_process(
@@ -150,7 +150,7 @@ def test_movielens_job_epochs_eval_best_step_and_tensorboard(tmp_path, capsys, r
   # one process read every padded eval batch, each time.
   batches = -(-ml.eval_size // 256)
   assert report["eval_input_reads"] == [batches * 256 * (len(evals) + 1)]
-  assert report["best_eval"]["examples"] == ml.eval_size == 500
+  assert report["best_eval"]["examples"] == ml.eval_size == 300
   out = capsys.readouterr().out
   assert "steps/s" in out and "ETA" in out and "baseline item popularity" in out
   assert "factorization model" in out and "evaluating the evaluation window" in out
