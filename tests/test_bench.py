@@ -209,3 +209,14 @@ def test_optimizer_floor_counts_every_slot():
   # LazyAdam: row, m and v (D floats each) and an int32 count per row.
   got = optimizers.floor_bytes(optimizers.PAIRINGS["lazy_adam"].ours, 10, 20, 4)
   assert got == 10 * (4 * 4 * 3 + 4) * 2 + 20 * 4 * 4 + 20 * 4
+
+
+def test_dense_is_skipped_with_a_reason_when_it_would_not_fit(monkeypatch):
+  from pallas_emb.bench import run as run_lib
+
+  table = 5_120_000_000  # V = 10M rows of 128 float32
+  monkeypatch.setattr(run_lib, "available_memory", lambda: 8_000_000_000)
+  why = run_lib._dense_does_not_fit(table)
+  assert why and "10.2 GB" in why and "8.0 GB available" in why and "--vocab" in why
+  monkeypatch.setattr(run_lib, "available_memory", lambda: 20_000_000_000)
+  assert run_lib._dense_does_not_fit(table) is None

@@ -65,6 +65,19 @@ class PeakRss:
     self.peak = max(self.peak, self._rss())
 
 
+def available_memory() -> int | None:
+  """Bytes the kernel could give a new allocation now (MemAvailable), or
+  None where /proc/meminfo is not there."""
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return None
+
+
 def machine_info(bandwidth: float, malloc_tuned: bool) -> dict:
   info = {
     "platform": platform.platform(),

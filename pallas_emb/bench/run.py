@@ -21,7 +21,7 @@ import optax
 import pallas_emb as pe
 from pallas_emb import data as data_lib
 from pallas_emb.bench.dlrm import run_dlrm_stacking
-from pallas_emb.bench.machine import copy_bandwidth, machine_info
+from pallas_emb.bench.machine import available_memory, copy_bandwidth, machine_info
 from pallas_emb.bench.methods import Dense, FbgemmBackward, Fused, SharedTable, fbgemm_available
 from pallas_emb.bench.optimizers import run_optimizers
 from pallas_emb.bench.plot import plot
@@ -54,6 +54,24 @@ class BenchConfig:
   keep_freed_memory: bool = True
   optimizers: tuple[str, ...] = ()
   optimizer_vocab: int = 1_000_000
+
+
+# What the dense step holds at its peak, in table-sized buffers beyond the
+# table itself: the gradient and XLA's temporaries of its update (measured
+# at V = 10M: the process grew past 14 GB beside a 5.1 GB table).
+DENSE_TABLE_BUFFERS = 2
+
+
+def _dense_does_not_fit(table_bytes: int) -> str | None:
+  """Why the dense step would not fit in memory now, or None."""
+  free = available_memory()
+  need = DENSE_TABLE_BUFFERS * table_bytes
+  if free is None or need < free:
+    return None
+  return (
+    f"needs about {need / 1e9:.1f} GB beyond the table ({DENSE_TABLE_BUFFERS} table-sized "
+    f"buffers), {free / 1e9:.1f} GB available; run this vocabulary alone (--vocab) to time it"
+  )
 
 
 def run_workload(
@@ -92,6 +110,7 @@ def run_workload(
     {"jax": shared.huge_page_bytes} if shared else {}
   )
   summary = time_steps(fused + ([fbgemm] if fbgemm else []), steps, warmup)
+  skipped = {}
   if "dense" in methods:
     # The dense update holds a table-sized gradient beside the table. Next
     # to FBGEMM's own copy of the table, W2 (V = 10M: 5.1 GB each) outgrew a
@@ -99,7 +118,12 @@ def run_workload(
     del fbgemm
     gc.collect()
     host_memory.release_free_memory()
-    summary |= time_steps([Dense(shared, ids, grads)], steps, warmup)
+    why = _dense_does_not_fit(vocab * dim * 4)
+    if why:
+      skipped["dense"] = why
+      print(f"V={vocab:,}: dense skipped: {why}", flush=True)
+    else:
+      summary |= time_steps([Dense(shared, ids, grads)], steps, warmup)
   for r in fused:
     summary[r.name]["backend"] = r.backend
   result = {
@@ -111,6 +135,7 @@ def run_workload(
     "floor_ms": floor_bytes(unique, num_ids, dim) / bandwidth * 1e3,
     "huge_page_bytes": huge_page_bytes,
     "methods": summary,
+    "skipped": skipped,
   }
   if profile_steps:
     result["profile"] = {r.name: profile(r, profile_steps) for r in fused}
