@@ -1,7 +1,9 @@
-"""Data sources: the synthetic log is deterministic; MovieLens in three formats."""
+"""Data sources: the synthetic log is deterministic; MovieLens in four
+formats, real ml-100k among them; each process reads only its rows."""
 
 import numpy as np
 import pytest
+import real_movielens
 
 from pallas_emb import data
 
@@ -51,10 +53,14 @@ ROWS = [(1, 10, 5, 1000), (2, 10, 3, 900), (1, 20, 4, 1100), (3, 30, 1, 800), (2
     ("u.data", lambda r: "\t".join(map(str, r))),
     ("ratings.dat", lambda r: "::".join(map(str, r))),
     ("ratings.csv", lambda r: ",".join(map(str, r))),
+    ("ml.inter", lambda r: "\t".join(map(str, r))),
   ],
 )
 def test_movielens_formats_parse_alike(tmp_path, name, fmt):
-  header = "userId,movieId,rating,timestamp\n" if name.endswith(".csv") else ""
+  header = {
+    "ratings.csv": "userId,movieId,rating,timestamp\n",
+    "ml.inter": "user_id:token\titem_id:token\trating:float\ttimestamp:float\n",
+  }.get(name, "")
   path = _write(tmp_path, name, header + "\n".join(fmt(r) for r in ROWS) + "\n")
   ratings = data.load_ratings(path)
   cols = list(zip(*ROWS))
@@ -72,6 +78,62 @@ def test_movielens_formats_parse_alike(tmp_path, name, fmt):
   tb = ml.train_batch(0, 4)
   assert sorted(tb["label"].tolist()) == [0, 0, 1, 1]  # one epoch = the train set
   assert set(tb["ids"]) == {"user", "item", "hour", "weekday", "history"}
+
+
+def test_inter_columns_are_found_by_name(tmp_path):
+  # Any order, other columns ignored; a float-typed timestamp may be integral.
+  text = "item_id:token\tnote:token_seq\ttimestamp:float\tuser_id:token\trating:float\n"
+  text += "".join(f"{i}\tx y\t{t}.0\t{u}\t{r}\n" for u, i, r, t in ROWS)
+  ratings = data.load_ratings(_write(tmp_path, "a.inter", text))
+  cols = list(zip(*ROWS))
+  for got, want in zip(ratings, cols):
+    np.testing.assert_array_equal(got, want)
+  bad = _write(tmp_path, "b.inter", "user_id:token\titem_id:token\trating:float\n1\t2\t3\n")
+  with pytest.raises(data.DataError, match=r"b.inter:1: the header .* has 0 timestamp columns"):
+    data.load_ratings(bad)
+
+
+def test_real_ml100k_inter_reads_as_its_u_data(tmp_path, request):
+  inter = real_movielens.head(request.config, tmp_path, 3000)
+  udata = real_movielens.head(request.config, tmp_path, 3000, name="u.data")
+  a, b = data.load_ratings(inter), data.load_ratings(udata)
+  assert len(a.user) == 3000
+  for x, y in zip(a, b):
+    np.testing.assert_array_equal(x, y)
+  # u.data's first line (user 196 gave item 242 three stars).
+  assert (a.user[0], a.item[0], a.rating[0], a.timestamp[0]) == (196, 242, 3.0, 881250949)
+
+
+def test_validation_window_is_the_share_before_the_evaluation_window(tmp_path, request):
+  path = real_movielens.head(request.config, tmp_path, 3000)
+  full = data.MovieLens.from_file(path)
+  val = data.MovieLens.from_file(path, validation_fraction=0.2)
+  assert (full.window, val.window) == ("evaluation", "validation")
+  assert (full.num_train, full.eval_size) == (2700, 300)
+  # Train on the first 70% by time, evaluate the next 20%; the latest 10%
+  # is never read.
+  assert (val.num_train, val.eval_size) == (2100, 600) and len(val.label) == full.num_train
+  for a in ("user", "item", "history", "label"):
+    np.testing.assert_array_equal(getattr(val, a), getattr(full, a)[: full.num_train])
+  (train, evaluated), (_, latest) = val.split_columns(), full.split_columns()
+  assert len(train[2]) == 2100 and len(evaluated[2]) == 600 and len(latest[2]) == 300
+  with pytest.raises(data.DataError, match=r"validation_fraction must be in \[0, 1 - eval"):
+    data.MovieLens.from_file(path, validation_fraction=0.9)
+
+
+def test_history_tokens_are_earlier_ratings_and_whether_liked(tmp_path):
+  path = _write(tmp_path, "u.data", "1\t5\t5\t100\n1\t6\t2\t200\n2\t5\t1\t300\n1\t7\t3\t400\n")
+  ml = data.MovieLens.from_file(path, eval_fraction=0.25, history_len=3)
+  (hist,) = [f for f in ml.features if f.name == "history"]
+  assert (hist.table, hist.num_rows, hist.bag_size, hist.combiner) == ("history", 6, 3, "mean")
+  # Items 5, 6, 7 are 0, 1, 2; a token is 2 * item + liked (rating >= 4).
+  np.testing.assert_array_equal(ml.history, [[-1, -1, -1], [1, -1, -1], [-1, -1, -1], [2, 1, -1]])
+  assert [f.name for f in data.MovieLens.from_file(path, history_len=0).features] == [
+    "user",
+    "item",
+    "hour",
+    "weekday",
+  ]
 
 
 def test_movielens_errors_name_the_path_and_line(tmp_path):
@@ -157,21 +219,15 @@ def test_movielens_integral_float_timestamps_are_accepted(tmp_path):
 
 
 @pytest.mark.parametrize("source", ["synthetic", "movielens"])
-def test_a_process_reads_only_its_rows(tmp_path, source, monkeypatch):
+def test_a_process_reads_only_its_rows(tmp_path, source, monkeypatch, request):
   from pallas_emb.data.feed import ProcessRows  # pylint: disable=g-import-not-at-top
 
   if source == "synthetic":
-    ds = data.SyntheticClickLog(num_users=100, num_items=50, eval_examples=16)
+    ds = data.SyntheticClickLog(num_users=100, num_items=50, eval_examples=200)
     counted = "_examples"
   else:
-    path = tmp_path / "u.data"
-    path.write_text(
-      "".join(
-        f"{u}\t{i}\t{1 + (u * i) % 5}\t{t}\n"
-        for t, (u, i) in enumerate((u, i) for u in range(1, 30) for i in range(1, 12))
-      )
-    )
-    ds = data.MovieLens.from_file(str(path))
+    # Real ml-100k's first 320 ratings: 288 train, the latest 32 evaluate.
+    ds = data.MovieLens.from_file(real_movielens.head(request.config, tmp_path, 320))
     counted = "_batch"
   made = []
   original = getattr(type(ds), counted)
@@ -191,3 +247,34 @@ def test_a_process_reads_only_its_rows(tmp_path, source, monkeypatch):
   for k in whole["ids"]:
     np.testing.assert_array_equal(rows["ids"][k], whole["ids"][k][64:])
   np.testing.assert_array_equal(rows["label"], whole["label"][64:])
+  # Held-out batches too: rows 8..15 of batch 1 of 16 (the set's examples
+  # 24..31), and a last batch's rows past the end weigh 0.
+  assert ds.eval_size in (200, 32)
+  whole = list(ds.eval_batches(16))[1]
+  made.clear()
+  rows = ds.eval_rows(1, 16, 8, 16)
+  # Its 8 rows only: MovieLens reads those, the generator makes the one
+  # block of 16 that holds them (never the whole set).
+  assert sum(made) == (8 if source == "movielens" else 16)
+  for k in whole["ids"]:
+    np.testing.assert_array_equal(rows["ids"][k], whole["ids"][k][8:])
+  np.testing.assert_array_equal(rows["label"], whole["label"][8:])
+  assert rows["weight"].tolist() == [1.0] * 8
+  past = ds.eval_rows(ds.eval_size // 16, 16, 0, 16)["weight"]
+  assert past.tolist() == [1.0] * (ds.eval_size % 16) + [0.0] * (16 - ds.eval_size % 16)
+
+
+def test_dlrm_rows_are_rows_of_its_batches():
+  from pallas_emb.data.dlrm import DlrmClickLog  # pylint: disable=g-import-not-at-top
+
+  d = DlrmClickLog(max_rows=1000, eval_examples=40)
+  whole, rows = d.train_batch(2, 32), d.train_rows(2, 32, 16, 32)
+  for k in whole["ids"]:
+    np.testing.assert_array_equal(rows["ids"][k], whole["ids"][k][16:])
+  np.testing.assert_array_equal(rows["dense"], whole["dense"][16:])
+  # Held-out batch 2 of 16 holds the set's last 8 examples, then padding.
+  batches = list(d.eval_batches(16))
+  assert len(batches) == 3 and sum(b["weight"].sum() for b in batches) == 40
+  rows = d.eval_rows(2, 16, 0, 8)
+  np.testing.assert_array_equal(rows["label"], batches[2]["label"][:8])
+  assert rows["weight"].tolist() == [1.0] * 8 and d.eval_rows(2, 16, 8, 16)["weight"].sum() == 0

@@ -262,6 +262,8 @@ def test_two_processes_match_one_process(tmp_path):
   ((batches, rows),) = sp["input_reads"]
   assert rows == batches * 128
   assert mp["input_reads"] == [[batches, batches * 64]] * 2
+  # And of every held-out batch (--eval_batches=4 of 128 rows, once).
+  assert sp["eval_input_reads"] == [4 * 128] and mp["eval_input_reads"] == [4 * 64] * 2
   a, b = np.load(tmp_path / "mp.npz"), np.load(tmp_path / "sp.npz")
   for name in a:
     # Dense all-reduces run through gloo in another order: rounding only.

@@ -6,7 +6,8 @@ A batch is a dict of NumPy arrays:
   "label":  (B,) float32 click / positive in {0, 1},
   "weight": (B,) float32, 0 for padding examples of a last eval batch.
 Training batches are a pure function of (seed, index), so a resumed run sees
-the same data as an uninterrupted one.
+the same data as an uninterrupted one. Each process reads only its rows of a
+batch, training (`train_rows`) and held-out (`eval_rows`) alike.
 """
 
 from __future__ import annotations
@@ -46,6 +47,15 @@ class Dataset(Protocol):
   def train_rows(self, index: int, batch_size: int, lo: int, hi: int) -> dict:
     """Rows [lo, hi) of `train_batch(index, batch_size)`, computing or
     reading only those (each process feeds its own rows)."""
+
+  @property
+  def eval_size(self) -> int:
+    """Examples in the held-out set."""
+
+  def eval_rows(self, index: int, batch_size: int, lo: int, hi: int) -> dict:
+    """Rows [lo, hi) of held-out batch `index` (of ceil(eval_size /
+    batch_size)), computing or reading only those; rows past the set's end
+    have weight 0."""
 
   def eval_batches(self, batch_size: int) -> Iterator[dict]:
     """The held-out set; the last batch zero-weighted past its end."""

@@ -52,6 +52,7 @@ CRITEO_ROWS = (
 )
 
 _TRAIN, _EVAL = 0, 1
+_BLOCK = 16  # held-out examples per random stream
 
 
 def dim_of(rows: int) -> int:
@@ -123,18 +124,45 @@ class DlrmClickLog:
     """Training batch `index` (any int >= 0): deterministic."""
     return self._examples(np.random.default_rng([self.seed, _TRAIN, index]), batch_size)
 
-  @functools.cached_property
-  def _eval_set(self) -> dict:
-    return self._examples(np.random.default_rng([self.seed, _EVAL]), self.eval_examples)
+  def train_rows(self, index: int, batch_size: int, lo: int, hi: int) -> dict:
+    """Rows [lo, hi) of training batch `index`. A batch is one random
+    stream, so this generates the whole batch (cheap: one id per table)."""
+    return _rows(self.train_batch(index, batch_size), np.arange(lo, hi))
+
+  @property
+  def eval_size(self) -> int:
+    return self.eval_examples
+
+  def eval_rows(self, index: int, batch_size: int, lo: int, hi: int) -> dict:
+    """Rows [lo, hi) of held-out batch `index`, generating only the blocks
+    of 16 examples they overlap (block j from stream (seed, 1, j)); rows
+    past the end repeat the last example at weight 0."""
+    n = self.eval_examples
+    positions = index * batch_size + np.arange(lo, hi)
+    clamped = np.minimum(positions, n - 1)
+    first, last = clamped[0] // _BLOCK, clamped[-1] // _BLOCK + 1
+    blocks = [
+      self._examples(np.random.default_rng([self.seed, _EVAL, j]), min(_BLOCK, n - j * _BLOCK))
+      for j in range(first, last)
+    ]
+    whole = {
+      k: {f: np.concatenate([b[k][f] for b in blocks]) for f in blocks[0][k]}
+      if isinstance(blocks[0][k], dict)
+      else np.concatenate([b[k] for b in blocks])
+      for k in blocks[0]
+    }
+    batch = _rows(whole, clamped - first * _BLOCK)
+    batch["weight"] = (positions < n).astype(np.float32)
+    return batch
 
   def eval_batches(self, batch_size: int) -> Iterator[dict]:
     """The held-out set in batches; the last zero-weighted past its end."""
-    n = self.eval_examples
-    for start in range(0, n, batch_size):
-      idx = np.minimum(np.arange(start, start + batch_size), n - 1)
-      batch = {
-        k: ({f: a[idx] for f, a in v.items()} if isinstance(v, dict) else v[idx])
-        for k, v in self._eval_set.items()
-      }
-      batch["weight"] = (np.arange(start, start + batch_size) < n).astype(np.float32)
-      yield batch
+    for index in range(-(-self.eval_examples // batch_size)):
+      yield self.eval_rows(index, batch_size, 0, batch_size)
+
+
+def _rows(batch: dict, idx: np.ndarray) -> dict:
+  return {
+    k: ({f: a[idx] for f, a in v.items()} if isinstance(v, dict) else v[idx])
+    for k, v in batch.items()
+  }

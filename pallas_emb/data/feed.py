@@ -4,7 +4,8 @@ Training batches come through a `grain` data source whose record t is this
 process's rows of batch t (`Dataset.train_rows`): a process never builds the
 global batch, only its slice. The grain iterator's state (the next batch
 index) is saved with each checkpoint, so a resumed run reads the batches an
-uninterrupted one would.
+uninterrupted one would. Held-out batches are read the same way
+(`Dataset.eval_rows`): each process reads its rows of each one.
 """
 
 from __future__ import annotations
@@ -48,8 +49,13 @@ class GlobalBatches:
   """Turns a dataset's rows into batch-sharded global arrays.
 
   Process p of P reads rows [p * B / P, (p + 1) * B / P) of each training
-  batch and contributes them via `jax.make_array_from_process_local_data`;
-  with one process that is the whole batch.
+  and held-out batch and contributes them via
+  `jax.make_array_from_process_local_data`; with one process that is the
+  whole batch.
+
+  Attributes:
+    source: the training rows (`ProcessRows`, with its read counters).
+    eval_rows_read: held-out examples this process read (hi - lo per batch).
 
   Args:
     dataset: a `Dataset`.
@@ -68,6 +74,7 @@ class GlobalBatches:
     self.lo = jax.process_index() * batch_size // n
     self.hi = self.lo + batch_size // n
     self.source = ProcessRows(dataset, batch_size, self.lo, self.hi)
+    self.eval_rows_read = 0
 
   def _global(self, batch: dict, local: bool) -> dict:
     batch = {k: v for k, v in batch.items() if k != "true_logit"}
@@ -118,6 +125,9 @@ class GlobalBatches:
     return it
 
   def eval(self) -> Iterator[tuple[dict, dict]]:
-    """The held-out batches as (global arrays, host batch) pairs."""
-    for batch in self.dataset.eval_batches(self.batch_size):
-      yield self.put(batch), batch
+    """The held-out batches as (global arrays, this process's rows) pairs;
+    labels and weights of other processes' rows are in the global arrays."""
+    for index in range(-(-self.dataset.eval_size // self.batch_size)):
+      rows = self.dataset.eval_rows(index, self.batch_size, self.lo, self.hi)
+      self.eval_rows_read += self.hi - self.lo
+      yield self._global(rows, local=True), rows

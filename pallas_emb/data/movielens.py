@@ -1,157 +1,40 @@
 """MovieLens ratings as a click log: rating >= 4 is a positive.
 
-Reads the three formats of the GroupLens releases:
+Reads every format of `pallas_emb.data.ratings_file` (u.data, ratings.dat,
+ratings.csv, RecBole's .inter). Raw ids are remapped to dense indices. The
+split is by time: the latest `eval_fraction` of ratings evaluate, as a model
+is deployed on the future; `validation_fraction` instead evaluates on that
+share of ratings just before them (and drops the latest `eval_fraction`), so
+that settings are chosen without looking at the evaluation window.
 
-* `u.data` (ML-100K): tab-separated `user item rating timestamp`;
-* `ratings.dat` (ML-1M, ML-10M): `user::item::rating::timestamp`;
-* `ratings.csv` (ML-20M, ML-25M, latest): `userId,movieId,rating,timestamp`
-  with a header line.
-
-Raw ids are integers end to end (never parsed through a float, so ids at or
-above 2**53 stay distinct) and are remapped to dense indices. The split is by time: the latest
-`eval_fraction` of ratings are held out, as a model is deployed on the future.
 Features: user, item, hour of day and day of week of the rating, and the
-user's history: the items the user rated positively strictly before the
-rating's timestamp (newest first, at most `history_len`), a bag that shares
-the item table. Nothing of a rating's own time or later enters its history.
+user's history: the user's ratings strictly before this one's timestamp
+(newest first, at most `history_len`), each as a token `2 * item + liked`
+(liked: rating >= 4), a bag of its own table. A bag of such tokens tells
+what the user liked and disliked, and its mean how often they liked: most
+of the latest ratings come from users with none in the training period
+(71% of ml-100k's last 10%), whom only their history describes. Nothing of
+a rating's own time or later enters its history.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import math
-import os
 from collections.abc import Iterator
-from typing import NamedTuple
 
 import numpy as np
 
 from pallas_emb.data.base import DataError, FeatureInfo
-
-
-class Ratings(NamedTuple):
-  """A ratings file, one entry per rating line, in file order.
-
-  Ids are parsed as integers end to end, never through a float, so distinct
-  raw ids stay distinct at any size.
-
-  Attributes:
-    user, item: (N,) raw ids: int64, or Python ints (dtype object) when one
-      does not fit int64.
-    rating: (N,) float64, all finite.
-    timestamp: (N,) int64 seconds since the epoch.
-  """
-
-  user: np.ndarray
-  item: np.ndarray
-  rating: np.ndarray
-  timestamp: np.ndarray
-
-
-_INT64 = np.iinfo(np.int64)
-
-
-def _parse_line(line: str, sep: str | None, path: str, lineno: int):
-  fields = line.split(sep) if sep else line.split()
-  where = f"{path}:{lineno}"
-  if len(fields) != 4:
-    raise DataError(
-      f"{where}: expected 4 fields (user, item, rating, timestamp), "
-      f"got {len(fields)}: {line.strip()[:80]!r}"
-    )
-  try:
-    user, item = int(fields[0]), int(fields[1])
-    rating = float(fields[2])
-  except ValueError as e:
-    raise DataError(
-      f"{where}: cannot parse {line.strip()[:80]!r} as integer user and "
-      f"item ids and a numeric rating ({e})."
-    ) from None
-  if not math.isfinite(rating):
-    raise DataError(
-      f"{where}: rating {fields[2].strip()!r} is not a finite number; fix or drop the line."
-    )
-  return user, item, rating, _timestamp(fields[3].strip(), where)
-
-
-def _timestamp(text: str, where: str) -> int:
-  """Seconds since the epoch, an integer (written as one, or as a float
-  with no fraction) that fits int64."""
-  try:
-    value = int(text)
-  except ValueError:
-    try:
-      number = float(text)
-    except ValueError:
-      raise DataError(
-        f"{where}: timestamp {text!r} is not a number; it must be integer seconds since the epoch."
-      ) from None
-    if not math.isfinite(number) or number != int(number):
-      raise DataError(
-        f"{where}: timestamp {text!r} is not an integer "
-        "number of seconds since the epoch; fix or drop the "
-        "line."
-      ) from None
-    value = int(number)
-  if not _INT64.min <= value <= _INT64.max:
-    raise DataError(
-      f"{where}: timestamp {text!r} does not fit int64 seconds; fix or drop the line."
-    )
-  return value
-
-
-def _id_array(ids: list[int]) -> np.ndarray:
-  """Raw ids as int64, or as exact Python ints when one does not fit."""
-  if all(_INT64.min <= i <= _INT64.max for i in ids):
-    return np.array(ids, np.int64)
-  return np.array(ids, dtype=object)
-
-
-def load_ratings(path: str) -> Ratings:
-  """Reads a ratings file (u.data, ratings.dat or ratings.csv).
-
-  Raises:
-    DataError: the file is missing or empty, or a line is malformed or holds
-      a non-finite rating or timestamp (the message names the path and the
-      line number).
-  """
-  if not os.path.isfile(path):
-    raise DataError(
-      f"MovieLens ratings file {path!r} does not exist; pass "
-      "--data=movielens:PATH to u.data, ratings.dat or ratings.csv."
-    )
-  name = os.path.basename(path)
-  if name.endswith(".csv"):
-    sep = ","
-  elif name.endswith(".dat"):
-    sep = "::"
-  else:
-    sep = None  # u.data: tabs (any whitespace)
-  rows = []
-  with open(path, encoding="utf-8", errors="replace") as f:
-    for lineno, line in enumerate(f, start=1):
-      if not line.strip():
-        continue
-      if lineno == 1 and sep == "," and line.lower().startswith("userid"):
-        continue
-      rows.append(_parse_line(line, sep, path, lineno))
-  if not rows:
-    raise DataError(f"MovieLens ratings file {path!r} holds no ratings.")
-  user, item, rating, timestamp = zip(*rows)
-  return Ratings(
-    _id_array(list(user)),
-    _id_array(list(item)),
-    np.array(rating, np.float64),
-    np.array(timestamp, np.int64),
-  )
+from pallas_emb.data.ratings_file import load_ratings
 
 
 def user_histories(
-  user: np.ndarray, item: np.ndarray, positive: np.ndarray, timestamp: np.ndarray, cap: int
+  user: np.ndarray, token: np.ndarray, keep: np.ndarray, timestamp: np.ndarray, cap: int
 ) -> np.ndarray:
-  """(N, cap) int32: per rating (time-sorted input), the items its user
-  rated positively at strictly earlier timestamps, newest first, -1 padded.
+  """(N, cap) int32: per rating (time-sorted input), the tokens of its
+  user's ratings at strictly earlier timestamps that `keep` selects, newest
+  first, -1 padded.
 
   Ratings that share a timestamp do not see each other: none happened
   before the other.
@@ -170,10 +53,32 @@ def user_histories(
         pending = []
       if hist:
         out[j, : len(hist)] = list(reversed(hist))
-      if positive[j]:
-        pending.append(item[j])
+      if keep[j]:
+        pending.append(token[j])
         pending_ts = timestamp[j]
   return out
+
+
+def _split(n: int, eval_fraction: float, validation_fraction: float) -> tuple[int, int]:
+  """(train examples, evaluated end): train [0, t), evaluate [t, end)."""
+  if not 0.0 < eval_fraction < 1.0:
+    raise DataError(f"eval_fraction must be in (0, 1), got {eval_fraction}.")
+  if not 0.0 <= validation_fraction < 1.0 - eval_fraction:
+    raise DataError(
+      f"validation_fraction must be in [0, 1 - eval_fraction = {1 - eval_fraction:g}), got "
+      f"{validation_fraction}; it is the share of all ratings, just before the evaluation "
+      "window, that evaluates instead of it (0: evaluate on the evaluation window)."
+    )
+  end = min(max(int(round(n * (1 - eval_fraction))), 1), n - 1)
+  if not validation_fraction:
+    return end, n
+  train = int(round(n * (1 - eval_fraction - validation_fraction)))
+  if not 1 <= train < end:
+    raise DataError(
+      f"validation_fraction={validation_fraction} of {n} ratings leaves {train} to train "
+      f"and {end - train} to validate; each needs at least one."
+    )
+  return train, end
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -181,11 +86,16 @@ class MovieLens:
   """A MovieLens ratings file as train and eval click logs.
 
   Attributes:
-    user, item, hour, weekday: (N,) int32 dense feature indices, time-sorted.
-    history: (N, history_len) int32 earlier positive items (`user_histories`).
+    user, item, hour, weekday: (N,) int32 dense feature indices, time-sorted,
+      the training examples then the evaluated ones (with a validation
+      window, the latest ratings are not among them).
+    history: (N, history_len) int32 tokens `2 * item + liked` of the user's
+      earlier ratings (`user_histories`).
     label: (N,) float32, rating >= 4.
     num_train: the first num_train examples train, the rest evaluate.
-    num_users, num_items: vocabulary sizes.
+    num_users, num_items: vocabulary sizes (of the whole file).
+    window: "evaluation" (the latest ratings) or "validation" (those just
+      before them) is evaluated.
     seed: shuffles training examples (per epoch, deterministically).
   """
 
@@ -198,39 +108,49 @@ class MovieLens:
   num_train: int
   num_users: int
   num_items: int
+  window: str = "evaluation"
   seed: int = 0
   num_dense = 0
 
   @classmethod
   def from_file(
-    cls, path: str, *, eval_fraction: float = 0.1, seed: int = 0, history_len: int = 16
+    cls,
+    path: str,
+    *,
+    eval_fraction: float = 0.1,
+    validation_fraction: float = 0.0,
+    seed: int = 0,
+    history_len: int = 50,
   ) -> MovieLens:
-    """Reads `path`; the latest `eval_fraction` of ratings evaluate;
-    `history_len` caps the history bag (0: no history feature)."""
-    if not 0.0 < eval_fraction < 1.0:
-      raise DataError(f"eval_fraction must be in (0, 1), got {eval_fraction}.")
+    """Reads `path`; the latest `eval_fraction` of ratings evaluate, or,
+    with `validation_fraction` > 0, that share of all ratings just before
+    them (the latest are dropped); `history_len` caps the history bag (0: no
+    history feature)."""
     r = load_ratings(path)
     n = len(r.rating)
     if n < 2:
       raise DataError(
         f"MovieLens ratings file {path!r} holds {n} rating; a train/eval split needs at least 2."
       )
+    num_train, end = _split(n, eval_fraction, validation_fraction)
     order = np.argsort(r.timestamp, kind="stable")
     _, user = np.unique(r.user[order], return_inverse=True)
     _, item = np.unique(r.item[order], return_inverse=True)
     ts = r.timestamp[order]
     label = r.rating[order] >= 4
-    num_train = min(max(int(round(n * (1 - eval_fraction))), 1), n - 1)
+    history = user_histories(user, 2 * item + label, np.ones(n, bool), ts, history_len)
+    keep = slice(0, end)
     return cls(
-      user=user.astype(np.int32),
-      item=item.astype(np.int32),
-      hour=((ts // 3600) % 24).astype(np.int32),
-      weekday=((ts // 86400 + 4) % 7).astype(np.int32),  # 1970-01-01: Thursday
-      history=user_histories(user, item, label, ts, history_len),
-      label=label.astype(np.float32),
+      user=user[keep].astype(np.int32),
+      item=item[keep].astype(np.int32),
+      hour=((ts[keep] // 3600) % 24).astype(np.int32),
+      weekday=((ts[keep] // 86400 + 4) % 7).astype(np.int32),  # 1970-01-01: Thursday
+      history=history[keep],
+      label=label[keep].astype(np.float32),
       num_train=num_train,
       num_users=int(user.max()) + 1,
       num_items=int(item.max()) + 1,
+      window="validation" if validation_fraction else "evaluation",
       seed=seed,
     )
 
@@ -242,7 +162,7 @@ class MovieLens:
       FeatureInfo("hour", "hour", 24, 1, "sum"),
       FeatureInfo("weekday", "weekday", 7, 1, "sum"),
       *(
-        [FeatureInfo("history", "item", self.num_items, self.history.shape[1], "mean")]
+        [FeatureInfo("history", "history", 2 * self.num_items, self.history.shape[1], "mean")]
         if self.history.shape[1]
         else []
       ),
@@ -253,9 +173,14 @@ class MovieLens:
     """Training examples in one epoch."""
     return self.num_train
 
+  @property
+  def eval_size(self) -> int:
+    """Evaluated examples."""
+    return len(self.label) - self.num_train
+
   def split_columns(self):
     """(train, eval) (user, item, label) columns of the time split, for
-    the baselines (`pallas_emb.baselines.Columns`-like tuples)."""
+    the baselines (`pallas_emb.job.baselines.Columns`-like tuples)."""
     cut = self.num_train
     return (
       (self.user[:cut], self.item[:cut], self.label[:cut]),
@@ -292,9 +217,15 @@ class MovieLens:
       idx[sel] = perm[offsets[sel]]
     return self._batch(idx, np.ones(hi - lo))
 
+  def eval_rows(self, index: int, batch_size: int, lo: int, hi: int) -> dict:
+    """Rows [lo, hi) of evaluation batch `index` (in time order), reading
+    only those; rows past the end repeat the last example at weight 0."""
+    positions = self.num_train + index * batch_size + np.arange(lo, hi)
+    last = len(self.label) - 1
+    return self._batch(np.minimum(positions, last), positions <= last)
+
   def eval_batches(self, batch_size: int) -> Iterator[dict]:
-    """The held-out (latest) ratings; the last batch is zero-weight padded."""
-    for start in range(self.num_train, len(self.label), batch_size):
-      idx = np.arange(start, start + batch_size)
-      weight = idx < len(self.label)
-      yield self._batch(np.minimum(idx, len(self.label) - 1), weight)
+    """The evaluated (latest, or validation) ratings; the last batch is
+    zero-weight padded."""
+    for index in range(-(-self.eval_size // batch_size)):
+      yield self.eval_rows(index, batch_size, 0, batch_size)

@@ -10,7 +10,8 @@ with low-rank latent vectors u, v. An embedding model can learn all of it, so
 eval AUC measures learning (the hidden model's own AUC is its ceiling).
 Batches are a pure function of (seed, index), generated in blocks of 16
 examples (block j of batch i from stream (seed, 0, i, j)), so a process
-generates only the blocks of its own rows (`train_rows`).
+generates only the blocks of its own rows (`train_rows`); so is the held-out
+set (`eval_rows`).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import numpy as np
 
 from pallas_emb.data.base import FeatureInfo
 
-# Block j of training batch i uses stream (seed, 0, i, j); the eval set
-# stream (seed, 1).
+# Block j of training batch i uses stream (seed, 0, i, j); block j of the
+# eval set stream (seed, 1, j).
 _TRAIN, _EVAL = 0, 1
 _BLOCK = 16
 
@@ -126,33 +127,44 @@ class SyntheticClickLog:
       "true_logit": logit.astype(np.float32),
     }
 
+  def _blocks(self, stream: tuple, sizes: list[tuple[int, int]]) -> dict:
+    """Blocks (j, examples) of stream (seed, *stream, j), concatenated."""
+    return _concat_examples(
+      [self._examples(np.random.default_rng([self.seed, *stream, j]), n) for j, n in sizes]
+    )
+
   def train_rows(self, index: int, batch_size: int, lo: int, hi: int) -> dict:
     """Rows [lo, hi) of training batch `index`, generating only the blocks
     they overlap."""
     first, last = lo // _BLOCK, -(-hi // _BLOCK)
-    parts = [
-      self._examples(
-        np.random.default_rng([self.seed, _TRAIN, index, j]), min(_BLOCK, batch_size - j * _BLOCK)
-      )
-      for j in range(first, last)
-    ]
+    sizes = [(j, min(_BLOCK, batch_size - j * _BLOCK)) for j in range(first, last)]
     offset = first * _BLOCK
-    return _take_examples(_concat_examples(parts), np.arange(lo - offset, hi - offset))
+    return _take_examples(self._blocks((_TRAIN, index), sizes), np.arange(lo - offset, hi - offset))
 
   def train_batch(self, index: int, batch_size: int) -> dict:
     """Training batch `index` (any int >= 0): deterministic."""
     return self.train_rows(index, batch_size, 0, batch_size)
 
-  @functools.cached_property
-  def _eval_set(self) -> dict:
-    return self._examples(np.random.default_rng([self.seed, _EVAL]), self.eval_examples)
+  @property
+  def eval_size(self) -> int:
+    return self.eval_examples
+
+  def eval_rows(self, index: int, batch_size: int, lo: int, hi: int) -> dict:
+    """Rows [lo, hi) of held-out batch `index`, generating only the blocks
+    they overlap (block j of the set from stream (seed, 1, j): the same
+    examples whatever the batch size); rows past the end repeat the last
+    example at weight 0."""
+    n = self.eval_examples
+    positions = index * batch_size + np.arange(lo, hi)
+    clamped = np.minimum(positions, n - 1)
+    first, last = clamped[0] // _BLOCK, clamped[-1] // _BLOCK + 1
+    sizes = [(j, min(_BLOCK, n - j * _BLOCK)) for j in range(first, last)]
+    batch = _take_examples(self._blocks((_EVAL,), sizes), clamped - first * _BLOCK)
+    batch["weight"] = (positions < n).astype(np.float32)
+    return batch
 
   def eval_batches(self, batch_size: int) -> Iterator[dict]:
-    """The held-out set (the same examples whatever the batch size), in
-    batches of `batch_size`; the last one zero-weighted past the set's end."""
-    n = self.eval_examples
-    for start in range(0, n, batch_size):
-      idx = np.arange(start, start + batch_size)
-      batch = _take_examples(self._eval_set, np.minimum(idx, n - 1))
-      batch["weight"] = (idx < n).astype(np.float32)
-      yield batch
+    """The held-out set in batches of `batch_size`; the last one
+    zero-weighted past the set's end."""
+    for index in range(-(-self.eval_examples // batch_size)):
+      yield self.eval_rows(index, batch_size, 0, batch_size)

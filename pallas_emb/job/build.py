@@ -13,14 +13,21 @@ import pallas_emb as pe
 from pallas_emb import data as data_lib
 from pallas_emb.data.dlrm import DlrmClickLog
 from pallas_emb.data.feed import GlobalBatches
+from pallas_emb.job.factorization import build_factorization
 from pallas_emb.job.flags import FLAGS, embedding_optimizer
 from pallas_emb.job.model import build_ranking
 
 
 class Job(NamedTuple):
-  """What a run trains: data, tables, model, trainer and its batches."""
+  """What a run trains: data, tables, model, trainer and its batches.
+
+  `inputs` is the dataset as the model's features read it (`FeatureInputs`
+  for the factorization model; the dataset itself for the MLP).
+  """
 
   dataset: Any
+  inputs: Any
+  model: str  # "mlp" or "factorization"
   emb: pe.ShardedEmbedding
   config: pe.TrainConfig
   feeder: GlobalBatches
@@ -31,7 +38,15 @@ class Job(NamedTuple):
   @property
   def batch_shapes(self) -> dict[str, tuple[int, int]]:
     """Feature -> (global batch, bag size): what a checkpoint records."""
-    return {f.name: (FLAGS.batch_size, f.bag_size) for f in self.dataset.features}
+    return {f.name: (FLAGS.batch_size, f.bag_size) for f in self.inputs.features}
+
+
+def model_kind() -> str:
+  """--model, with "auto" resolved: factorization on MovieLens."""
+  if FLAGS.model != "auto":
+    return FLAGS.model
+  movielens = FLAGS.workload == "default" and FLAGS.data.startswith("movielens:")
+  return "factorization" if movielens else "mlp"
 
 
 def build(mesh: jax.sharding.Mesh) -> Job:
@@ -39,18 +54,26 @@ def build(mesh: jax.sharding.Mesh) -> Job:
   if FLAGS.workload == "dlrm":
     dataset = DlrmClickLog(max_rows=FLAGS.dlrm_max_rows or None, seed=FLAGS.seed)
   else:
-    dataset = data_lib.from_flag(FLAGS.data, seed=FLAGS.seed, history_len=FLAGS.history_len)
+    dataset = data_lib.from_flag(
+      FLAGS.data,
+      seed=FLAGS.seed,
+      history_len=FLAGS.history_len,
+      validation_fraction=FLAGS.validation_fraction,
+    )
   steps = total_steps(dataset)  # refuses --epochs before anything compiles
-  emb, model = build_ranking(
-    dataset,
-    mesh,
-    emb_dim=FLAGS.emb_dim,
-    optimizer=embedding_optimizer(FLAGS.optimizer, FLAGS.emb_learning_rate),
-    backend=FLAGS.backend,
-    stacking=FLAGS.stacking,
-  )
+  kind = model_kind()
+  common = {
+    "emb_dim": FLAGS.emb_dim,
+    "optimizer": embedding_optimizer(FLAGS.optimizer, FLAGS.emb_learning_rate, kind),
+    "backend": FLAGS.backend,
+    "stacking": FLAGS.stacking,
+  }
+  if kind == "factorization":
+    emb, model, inputs = build_factorization(dataset, mesh, **common)
+  else:
+    (emb, model), inputs = build_ranking(dataset, mesh, **common), dataset
   config = pe.TrainConfig(use_async_emb=FLAGS.async_emb, exact=FLAGS.exact_emb and FLAGS.async_emb)
-  feeder = GlobalBatches(dataset, FLAGS.batch_size, emb.sharding())
+  feeder = GlobalBatches(inputs, FLAGS.batch_size, emb.sharding())
   trainer = pe.make_trainer(
     emb, model.loss, optax.adam(FLAGS.dense_learning_rate), config, feeder.train(0)
   )
@@ -58,7 +81,7 @@ def build(mesh: jax.sharding.Mesh) -> Job:
   state = trainer.init(
     model.init(jax.random.fold_in(key, 1)), emb.init(jax.random.fold_in(key, 2)), feeder.train(0)
   )
-  return Job(dataset, emb, config, feeder, trainer, state, steps)
+  return Job(dataset, inputs, kind, emb, config, feeder, trainer, state, steps)
 
 
 def total_steps(dataset) -> int:

@@ -1,7 +1,13 @@
 """The main job's held-out numbers: the model's AUC and log-loss over the
-eval set (gathered from every process), and the baselines' on the same split."""
+eval set, and the baselines' on the same split.
+
+Each process reads only its rows of each held-out batch (`GlobalBatches.eval`);
+the logits, labels and weights of the whole batch are gathered from the global
+arrays, so every process computes the same numbers."""
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 
@@ -15,13 +21,15 @@ def evaluate(trainer, state, feeder: GlobalBatches, max_batches: int = 0) -> dic
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
 
   scores, labels, weights = [], [], []
-  for k, (batch, host) in enumerate(feeder.eval()):
-    if max_batches and k == max_batches:
-      break
+  # islice stops before the generator reads the batch after the last.
+  for batch, _ in itertools.islice(feeder.eval(), max_batches or None):
     _, aux = trainer.evaluate(state, batch)
-    scores.append(np.asarray(multihost_utils.process_allgather(aux["logits"], tiled=True)))
-    labels.append(host["label"])
-    weights.append(host["weight"])
+    s, y, w = multihost_utils.process_allgather(
+      (aux["logits"], batch["label"], batch["weight"]), tiled=True
+    )
+    scores.append(np.asarray(s))
+    labels.append(np.asarray(y))
+    weights.append(np.asarray(w))
   s, y, w = (np.concatenate(x) for x in (scores, labels, weights))
   keep = w > 0
   return {

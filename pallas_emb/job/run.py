@@ -7,10 +7,12 @@
     python -m pallas_emb --workload=dlrm [--stacking=off]   # 26 Criteo-shaped tables
 
 With --eval_every the report names the best evaluation (lowest eval log-loss)
-and its step, kept in CHECKPOINT_DIR/best. On MovieLens the job also scores
-two baselines on the same time split (item popularity, logistic regression on
-user and item ids). Tables train with the fused asynchronous update (one step
-stale, like the reference) unless --noasync_emb or --exact_emb; the MLP with
+and its step, kept in CHECKPOINT_DIR/best. On MovieLens the job trains the
+factorization model (--model) and also scores two baselines on the same time
+split (item popularity, logistic regression on user and item ids);
+--validation_fraction evaluates on ratings before the latest instead.
+Tables train with the fused asynchronous update (one step stale, like the
+reference) unless --noasync_emb or --exact_emb; the dense parameters with
 optax Adam.
 """
 
@@ -73,7 +75,9 @@ def _describe(job: Job, mesh) -> str:
     f"devices ({jax.process_count()} processes), backend {emb.backend}, "
     f"{'exact ' if config.exact else ''}"
     f"{'async' if config.use_async_emb else 'sync'} embedding update, "
-    f"{FLAGS.optimizer}, {job.steps} steps, tables "
+    f"{FLAGS.optimizer}, {job.model} model, {job.steps} steps, "
+    + (f"evaluating the {job.dataset.window} window, " if hasattr(job.dataset, "window") else "")
+    + "tables "
     + ", ".join(f"{t.name}:{t.num_rows}x{t.dim}" for t in emb.tables)
     + f" stored as {len(emb.table_names)} physical tables (--stacking={FLAGS.stacking})"
   )
@@ -141,8 +145,9 @@ def _report(job: Job, loop: Loop, trained, ev: dict, baselines, mesh) -> dict:
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
 
   counters, done, best = loop.log.counters, trained.steps, loop.best
+  feeder = job.feeder
   reads = multihost_utils.process_allgather(
-    np.array([job.feeder.source.records_read, job.feeder.source.rows_read])
+    np.array([feeder.source.records_read, feeder.source.rows_read, feeder.eval_rows_read])
   )
   return {
     "steps": done,
@@ -167,11 +172,15 @@ def _report(job: Job, loop: Loop, trained, ev: dict, baselines, mesh) -> dict:
     "async_emb": job.config.use_async_emb,
     "exact_emb": job.config.exact,
     "optimizer": FLAGS.optimizer,
+    "model": job.model,
     "data": FLAGS.data,
+    "eval_window": getattr(job.dataset, "window", None),
     "processes": jax.process_count(),
     "eval_history": trained.history,
     # Per process: [training batches read, training examples read].
-    "input_reads": np.asarray(reads).reshape(-1, 2).tolist(),
+    "input_reads": np.asarray(reads).reshape(-1, 3)[:, :2].tolist(),
+    # Per process: held-out examples read (its rows of every eval batch).
+    "eval_input_reads": np.asarray(reads).reshape(-1, 3)[:, 2].tolist(),
   }
 
 
