@@ -61,7 +61,7 @@ def test_bench_writes_the_documented_schema(tmp_path):
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   r = json.loads(out.read_text())
   assert {"cpus", "jax", "copy_bandwidth_gbps", "copy_bandwidth_end_gbps"} <= set(r["machine"])
-  assert {"load_avg_at_start", "load_avg_at_end"} <= set(r["machine"])
+  assert {"load_avg_at_start", "load_avg_at_end", "others_cpu_share"} <= set(r["machine"])
   assert [w["vocab"] for w in r["workloads"]] == [1000, 20000]
   for w in r["workloads"]:
     assert {"vocab", "ids", "dim", "unique", "floor_ms", "methods"} <= set(w)
@@ -145,7 +145,11 @@ def test_report_rewrites_only_the_readme_results_section():
     },
     "profile": {"fused": {"backend": "native", "stages_ms": {"dedup": 1.0, "step": 5.0}}},
   }
-  quiet = {"load_avg_at_start": [0.3, 0.2, 0.1], "load_avg_at_end": [0.6, 0.3, 0.1]}
+  quiet = {
+    "load_avg_at_start": [0.3, 0.2, 0.1],
+    "load_avg_at_end": [1.9, 0.3, 0.1],  # the run's own threads
+    "others_cpu_share": 0.01,
+  }
   results = {"machine": {"cpu": "AMD EPYC", "cpus": 2, **quiet}, "workloads": [w]}
   readme = open(os.path.join(REPO, "README.md")).read()
   new = bench_report.update_readme(readme, results)
@@ -158,7 +162,7 @@ def test_report_rewrites_only_the_readme_results_section():
   assert new[end:] == readme[readme.index(bench_report.END) :]
 
 
-def _optimizer_results(load_at_end):
+def _optimizer_results(load_at_start, others=0.02):
   w = {
     "vocab": 1_000_000,
     "ids": 65536,
@@ -178,7 +182,12 @@ def _optimizer_results(load_at_end):
     }
     for name, fused in (("rowwise_adagrad", 6.0), ("lazy_adam", 10.0))
   ]
-  machine = {"cpus": 2, "load_avg_at_start": [0.4, 0, 0], "load_avg_at_end": [load_at_end, 0, 0]}
+  machine = {
+    "cpus": 2,
+    "load_avg_at_start": [load_at_start, 0, 0],
+    "load_avg_at_end": [2.0, 0, 0],
+    "others_cpu_share": others,
+  }
   return {
     "machine": machine,
     "workloads": [w],
@@ -196,13 +205,30 @@ def test_report_has_a_row_per_optimizer():
 
 def test_report_refuses_the_readme_a_busy_run():
   readme = open(os.path.join(REPO, "README.md")).read()
-  assert bench_report.update_readme(readme, _optimizer_results(1.0))  # 0.5 per core: quiet
-  with pytest.raises(bench_report.BusyMachineError, match=r"load average was 0.40 .* 1.20"):
+  # 0.5 per core at the start, and the run's own load at the end: quiet.
+  assert bench_report.update_readme(readme, _optimizer_results(1.0))
+  with pytest.raises(
+    bench_report.BusyMachineError, match=r"load average was 1.20 at the start.*\(1.0 on 2 cores\)"
+  ):
     bench_report.update_readme(readme, _optimizer_results(1.2))
-  no_load = _optimizer_results(0.1)
-  del no_load["machine"]["load_avg_at_end"]
-  with pytest.raises(bench_report.BusyMachineError, match="no load average"):
-    bench_report.update_readme(readme, no_load)
+  with pytest.raises(bench_report.BusyMachineError, match=r"took 35% of the cores"):
+    bench_report.update_readme(readme, _optimizer_results(0.1, others=0.35))
+  no_share = _optimizer_results(0.1)
+  del no_share["machine"]["others_cpu_share"]
+  with pytest.raises(bench_report.BusyMachineError, match="no share of the cores"):
+    bench_report.update_readme(readme, no_share)
+
+
+def test_others_cpu_share_leaves_out_this_process():
+  from pallas_emb.bench.machine import OthersCpu
+
+  # 10 s on 2 cores; the machine was busy 15 CPU-seconds, 10 of them this
+  # process's: the others took 5 of 20.
+  assert OthersCpu.between((0.0, 100.0, 10.0), (10.0, 115.0, 20.0), 2) == 0.25
+  assert OthersCpu.between((0.0, 100.0, 10.0), (10.0, 110.0, 20.0), 2) == 0.0
+  assert OthersCpu.between((0.0, 100.0, 10.0), None, 2) is None
+  share = OthersCpu().share()
+  assert share is None or 0.0 <= share <= 1.0
 
 
 def test_optimizer_floor_counts_every_slot():

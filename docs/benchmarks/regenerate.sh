@@ -9,7 +9,8 @@
 #
 # It stops at once on a busy machine (1-minute load average over 0.5 per
 # core) or without a working native library, and `pallas_emb.bench.report`
-# refuses to write the README from a run whose load rose past that.
+# refuses to write the README from a run during which other processes took
+# more than 10% of the cores.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=docs/benchmarks

@@ -1,8 +1,14 @@
 """The machine a benchmark runs on: copy bandwidth, peak memory, what it is.
 
 A benchmark's times only mean something beside the machine's state: its
-load average at the start and end, and the bandwidth of a 1 GiB copy (the
+load average at the start, the share of the cores that other processes used
+while it ran, and the bandwidth of a 1 GiB copy at the start and end (the
 memory floor of a step is bytes / bandwidth).
+
+Why not the load average at the end: it counts the benchmark's own threads
+(FBGEMM's backward and XLA:CPU run one per core), so on 2 cores a quiet run
+ends near 2. What the other processes took is measured instead: all CPU time
+the kernel accounts (`/proc/stat`) less this process's own, over the run.
 """
 
 from __future__ import annotations
@@ -63,6 +69,40 @@ class PeakRss:
     self._stop.set()
     self._thread.join()
     self.peak = max(self.peak, self._rss())
+
+
+class OthersCpu:
+  """The share of all cores that other processes used between `start()` and
+  `share()`: (busy CPU seconds of the machine - this process's and its
+  children's) / (elapsed seconds x cores), in [0, 1]; None where there is no
+  /proc/stat."""
+
+  def __init__(self):
+    self._start = self._sample()
+
+  @staticmethod
+  def _sample() -> tuple[float, float, float] | None:
+    try:
+      with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+      return None
+    # user nice system idle iowait irq softirq steal ...: idle and iowait are
+    # not busy; guest time is already inside user.
+    busy = sum(fields[:8]) - fields[3] - fields[4]
+    own = sum(os.times()[:4])
+    return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), own
+
+  def share(self) -> float | None:
+    return self.between(self._start, self._sample(), os.cpu_count() or 1)
+
+  @staticmethod
+  def between(start, end, cores: int) -> float | None:
+    """Others' share from two (seconds, busy CPU seconds, own CPU seconds)."""
+    if start is None or end is None or end[0] <= start[0]:
+      return None
+    others = (end[1] - start[1]) - (end[2] - start[2])
+    return min(max(others / ((end[0] - start[0]) * cores), 0.0), 1.0)
 
 
 def available_memory() -> int | None:

@@ -21,7 +21,7 @@ import optax
 import pallas_emb as pe
 from pallas_emb import data as data_lib
 from pallas_emb.bench.dlrm import run_dlrm_stacking
-from pallas_emb.bench.machine import available_memory, copy_bandwidth, machine_info
+from pallas_emb.bench.machine import OthersCpu, available_memory, copy_bandwidth, machine_info
 from pallas_emb.bench.methods import Dense, FbgemmBackward, Fused, SharedTable, fbgemm_available
 from pallas_emb.bench.optimizers import run_optimizers
 from pallas_emb.bench.plot import plot
@@ -190,6 +190,7 @@ def run(config: BenchConfig) -> dict:
     if why:
       methods.remove("fbgemm")
       skipped["fbgemm"] = f"not installed ({why}); pip install '.[bench]'"
+  others = OthersCpu()
   bandwidth = copy_bandwidth()
   results = {"machine": machine_info(bandwidth, tuned), "workloads": [], "skipped": skipped}
   if config.workload == "dlrm":
@@ -250,11 +251,13 @@ def run(config: BenchConfig) -> dict:
       + "  ".join(f"{k} {v['examples_per_sec']:.0f} ex/s" for k, v in results["pipelines"].items()),
       flush=True,
     )
-  # Other processes share the cores and the memory: the load and the copy
-  # bandwidth at the start and the end say how far its times can be trusted
-  # (the ratios, interleaved, hold better).
+  # Other processes share the cores and the memory: the load at the start,
+  # the cores they took during the run and the copy bandwidth at the start and
+  # the end say how far its times can be trusted (the ratios, interleaved,
+  # hold better). The load at the end counts this run's own threads.
   results["machine"]["load_avg_at_start"] = results["machine"].pop("load_avg")
   results["machine"]["load_avg_at_end"] = list(os.getloadavg())
+  results["machine"]["others_cpu_share"] = others.share()
   results["machine"]["copy_bandwidth_end_gbps"] = copy_bandwidth() / 1e9
   with open(config.json, "w") as f:
     json.dump(results, f, indent=2)
