@@ -12,6 +12,9 @@ import dataclasses
 import gc
 import json
 import os
+import subprocess
+import sys
+import tempfile
 import time
 
 import jax
@@ -110,22 +113,29 @@ def run_workload(
     {"jax": shared.huge_page_bytes} if shared else {}
   )
   summary = time_steps(fused + ([fbgemm] if fbgemm else []), steps, warmup)
+  for r in fused:
+    summary[r.name]["backend"] = r.backend
+  profiles = {r.name: profile(r, profile_steps) for r in fused} if profile_steps else None
   skipped = {}
   if "dense" in methods:
-    # The dense update holds a table-sized gradient beside the table. Next
-    # to FBGEMM's own copy of the table, W2 (V = 10M: 5.1 GB each) outgrew a
-    # 24 GB machine, so dense is timed after the others, FBGEMM's table freed.
-    del fbgemm
-    gc.collect()
-    host_memory.release_free_memory()
-    why = _dense_does_not_fit(vocab * dim * 4)
+    # The dense update holds a table-sized gradient and temporaries beside
+    # the table; on the heap this process keeps (`keep_freed_memory`), next
+    # to the others' tables, W2 (V = 10M: 5.1 GB a table) grew past 24 GB.
+    # So it runs after the others, their tables freed, and in a child
+    # process of its own when anything else ran here.
+    if list(methods) == ["dense"]:
+      why = _dense_does_not_fit(vocab * dim * 4)
+      if why is None:
+        summary |= time_steps([Dense(shared, ids, grads)], steps, warmup)
+    else:
+      del fbgemm, fused, shared
+      gc.collect()
+      host_memory.release_free_memory()
+      dense, why = _dense_in_child(vocab, num_ids, dim, steps, warmup, huge_pages)
+      summary |= dense
     if why:
       skipped["dense"] = why
       print(f"V={vocab:,}: dense skipped: {why}", flush=True)
-    else:
-      summary |= time_steps([Dense(shared, ids, grads)], steps, warmup)
-  for r in fused:
-    summary[r.name]["backend"] = r.backend
   result = {
     "vocab": vocab,
     "ids": num_ids,
@@ -137,9 +147,28 @@ def run_workload(
     "methods": summary,
     "skipped": skipped,
   }
-  if profile_steps:
-    result["profile"] = {r.name: profile(r, profile_steps) for r in fused}
+  if profiles:
+    result["profile"] = profiles
   return result
+
+
+def _dense_in_child(
+  vocab: int, num_ids: int, dim: int, steps: int, warmup: int, huge_pages: bool
+) -> tuple[dict, str | None]:
+  """({"dense": summary} or {}, why it was skipped or None), timed by
+  `python -m pallas_emb.bench --methods dense` on the same workload."""
+  with tempfile.TemporaryDirectory() as tmp:
+    out = os.path.join(tmp, "dense.json")
+    cmd = [sys.executable, "-m", "pallas_emb.bench", f"--json={out}", f"--vocab={vocab}"]
+    cmd += [f"--ids={num_ids}", f"--dim={dim}", f"--steps={steps}", f"--warmup={warmup}"]
+    cmd += ["--methods=dense", "--pipeline_steps=0", "--profile_steps=0"]
+    cmd += [] if huge_pages else ["--nohuge_pages"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+      return {}, f"its process failed (exit {proc.returncode}): {proc.stderr[-500:]}"
+    with open(out) as f:
+      w = json.load(f)["workloads"][0]
+  return {k: v for k, v in w["methods"].items() if k == "dense"}, w["skipped"].get("dense")
 
 
 def run_pipelines(steps: int, num_devices: int, batch_size: int) -> dict:
