@@ -32,10 +32,17 @@ template <class Rule>
 ffi::Error CheckShard(const F32& table, ffi::Result<F32>& table_out,
                       const ffi::RemainingArgs& slots,
                       const ffi::RemainingRets& slots_out, const F32& scalars,
-                      const F32& per_row, int64_t num_unique, Shard* sh) {
+                      const F32& per_row, int64_t num_unique, const F32& grads,
+                      Shard* sh) {
+  // The row width comes from the gradients: a table of rows narrower than
+  // 128 lanes may be stored packed, (rows * dim / 128, 128), the same bytes
+  // in the same order as (rows, dim) (see pallas_emb/packing.py).
   const auto dims = table.dimensions();
-  if (dims.size() != 2u)
-    return ffi::Error::InvalidArgument("table must be (rows, dim)");
+  const auto grad_dims = grads.dimensions();
+  if (dims.size() != 2u || grad_dims.size() != 2u || grad_dims[1] <= 0 ||
+      int64_t(table.element_count()) % grad_dims[1] != 0)
+    return ffi::Error::InvalidArgument(
+        "table must be (rows, dim), or packed, and grads (n, dim)");
   if (table.untyped_data() != table_out->untyped_data())
     return ffi::Error::InvalidArgument(
         "table must be aliased to the output (input_output_aliases)");
@@ -45,8 +52,8 @@ ffi::Error CheckShard(const F32& table, ffi::Result<F32>& table_out,
     return ffi::Error::InvalidArgument(
         "per_row must be (rows, number of per-row values of the rule)");
   sh->table = table_out->typed_data();
-  sh->num_rows = dims[0];
-  sh->dim = dims[1];
+  sh->dim = grad_dims[1];
+  sh->num_rows = int64_t(table.element_count()) / sh->dim;
   if (int64_t(slots.size()) != Rule::kNumSlots ||
       int64_t(slots_out.size()) != Rule::kNumSlots)
     return ffi::Error::InvalidArgument("wrong number of slots for the rule");
@@ -80,7 +87,7 @@ ffi::Error Segsum(ffi::ThreadPool pool, F32 table, S32 rows, S32 inverse,
   Shard sh;
   const int64_t num_unique = rows.element_count();
   if (auto e = CheckShard<Rule>(table, table_out, slots, slots_out, scalars,
-                                per_row, num_unique, &sh); e.failure())
+                                per_row, num_unique, grads, &sh); e.failure())
     return e;
   const int64_t n = inverse.element_count();
   if (int64_t(grads.element_count()) != n * sh.dim)
@@ -99,7 +106,7 @@ ffi::Error Row(ffi::ThreadPool pool, F32 table, S32 rows, F32 grads,
   Shard sh;
   const int64_t num_unique = rows.element_count();
   if (auto e = CheckShard<Rule>(table, table_out, slots, slots_out, scalars,
-                                per_row, num_unique, &sh); e.failure())
+                                per_row, num_unique, grads, &sh); e.failure())
     return e;
   if (int64_t(grads.element_count()) != num_unique * sh.dim)
     return ffi::Error::InvalidArgument("grads must be (rows, dim)");

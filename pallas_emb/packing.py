@@ -2,13 +2,21 @@
 
 Rows: float32 as is, bfloat16 as packed 32-bit words.
 
-Slots: (rows, width) arrays beside the table, except that a per-row scalar
-(width 1) is stored lane-dense, (rows / 128, 128), wherever the rows of a
-shard are whole 128-row groups (`RowLayout` gives every shard of 128 rows or
-more a multiple of 128): row r at [r // 128, r % 128]. On a TPU an (R, 1)
-array is relaid out and padded 128x whenever a kernel or a reshape needs it
-(8, 128)-tiled; the grouped array is dense in every layout, and the kernels
-move whole groups (`kernels.scalar_slots`).
+Lane-dense packing: the table and every slot are arrays of rows of some
+width w in 32-bit words (the table's `storage_width`, a slot's `width_for`).
+Rows narrower than 128 lanes whose width divides 128 are stored *packed*,
+k = 128 / w logical rows per 128-lane physical row, wherever a shard's rows
+are a multiple of k (`packs`): logical row r at physical row r // k, lanes
+(r % k) * w ... (r % k) * w + w - 1. That is the row-major reshape of the
+(rows, w) array to (rows / k, 128), so host code converts with a reshape
+(`SlotSpec.as_rows` / `as_stored`, `table_rows` / `table_stored`). Why: on a
+TPU XLA keeps an array whose rows are not a multiple of 128 lanes transposed
+(or padded to 128 lanes) in HBM, so a Mosaic kernel, which wants (8, 128)
+tiles, would relayout the whole table or slot on every step, and XLA's own
+scatter into such an array materialises table-sized temporaries. A per-row
+scalar (w = 1) is the extreme case, k = 128 (`kernels.scalar_slots`); rows
+of width 8 .. 64 are moved by `kernels.sub_rows`. Widths that do not divide
+128 are stored as they are.
 
 A lone bfloat16 row is not a legal DMA on TPU, whose HBM tiles pack two
 bfloat16 *rows* into each 32-bit sublane word. Reinterpreting a (V, D) bf16
@@ -32,8 +40,28 @@ import numpy as np
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
 # Slots move as 32-bit words, like rows.
 SLOT_DTYPES = (np.dtype(np.float32), np.dtype(np.int32))
+# Lanes of a packed physical row (one TPU vreg row of 32-bit words).
+LANES = 128
 # Rows per lane-dense group of a per-row scalar slot.
-SLOT_GROUP = 128
+SLOT_GROUP = LANES
+
+
+def packs(width: int, rows_per_shard: int) -> bool:
+  """Whether rows `width` words wide are stored packed, 128 / width to a
+  128-lane row, in shards of `rows_per_shard` rows (see the module
+  docstring)."""
+  return width < LANES and LANES % width == 0 and rows_per_shard % (LANES // width) == 0
+
+
+def stored_shape(num_rows: int, width: int, rows_per_shard: int | None = None) -> tuple[int, int]:
+  """The stored shape of `num_rows` rows `width` words wide.
+
+  Args:
+    rows_per_shard: the rows of each shard (default `num_rows`: one shard).
+  """
+  if packs(width, num_rows if rows_per_shard is None else rows_per_shard):
+    return (num_rows * width // LANES, LANES)
+  return (num_rows, width)
 
 
 class SlotSpec(NamedTuple):
@@ -53,9 +81,9 @@ class SlotSpec(NamedTuple):
     """Columns per row of this slot for a table of width `dim`."""
     return dim if self.width is None else self.width
 
-  def grouped(self, rows_per_shard: int) -> bool:
-    """Whether this slot is stored lane-dense in groups of 128 rows."""
-    return self.width == 1 and rows_per_shard % SLOT_GROUP == 0
+  def packed(self, rows_per_shard: int, dim: int) -> bool:
+    """Whether this slot is stored packed (see `packs`)."""
+    return packs(self.width_for(dim), rows_per_shard)
 
   def shape_for(
     self, num_rows: int, dim: int, rows_per_shard: int | None = None
@@ -64,12 +92,10 @@ class SlotSpec(NamedTuple):
 
     Args:
       rows_per_shard: the rows of each shard (default `num_rows`: one
-        shard); a per-row scalar of shards of whole 128-row groups is stored
-        (num_rows / 128, 128).
+        shard); rows of shards that `packs` are stored (num_rows * width /
+        128, 128).
     """
-    if self.grouped(num_rows if rows_per_shard is None else rows_per_shard):
-      return (num_rows // SLOT_GROUP, SLOT_GROUP)
-    return (num_rows, self.width_for(dim))
+    return stored_shape(num_rows, self.width_for(dim), rows_per_shard)
 
   def as_rows(self, stored, dim: int):
     """A stored slot (NumPy or JAX) viewed (rows, width)."""
@@ -88,6 +114,60 @@ def storage_dtype(dtype) -> np.dtype:
 def storage_width(dim: int, dtype) -> int:
   """Stored words per row for a row of `dim` elements of `dtype`."""
   return dim // 2 if np.dtype(dtype) == jnp.bfloat16 else dim
+
+
+def table_shape(
+  num_rows: int, dim: int, dtype, rows_per_shard: int | None = None
+) -> tuple[int, int]:
+  """The stored shape of a table of `num_rows` rows of `dim` `dtype`
+  elements (packed when `packs` its storage width)."""
+  return stored_shape(num_rows, storage_width(dim, dtype), rows_per_shard)
+
+
+def table_rows(stored, dim: int, dtype):
+  """A stored table (NumPy or JAX) viewed (rows, storage_width)."""
+  return stored.reshape(-1, storage_width(dim, dtype))
+
+
+def table_stored(rows, dim: int, dtype, rows_per_shard: int | None = None):
+  """(rows, storage_width) stored rows (NumPy or JAX) in the table's stored
+  shape."""
+  return rows.reshape(table_shape(rows.shape[0], dim, dtype, rows_per_shard))
+
+
+def num_rows_of(stored, width: int) -> int | None:
+  """Logical rows of an array of rows `width` words wide stored as it is
+  (width columns) or packed (128 columns), else None."""
+  cols = stored.shape[1]
+  if cols == width:
+    return stored.shape[0]
+  if cols == LANES and width < LANES and LANES % width == 0:
+    return stored.shape[0] * (LANES // width)
+  return None
+
+
+def take_rows(stored, idx, width: int):
+  """(C, width) rows `idx` of an array of rows `width` words wide, stored
+  as it is or packed; an index past the end reads zeros (JAX, traced)."""
+  if stored.shape[1] == width:
+    return jnp.take(stored, idx, axis=0, mode="fill", fill_value=0)
+  k = LANES // width
+  phys = jnp.take(stored, idx // k, axis=0, mode="fill", fill_value=0)
+  sub = phys.reshape(idx.shape[0], k, width)
+  return jnp.take_along_axis(sub, (idx % k)[:, None, None], axis=1)[:, 0]
+
+
+def put_rows(stored, idx, values, width: int):
+  """`stored` with rows `idx` set to (C, width) `values` (distinct indices;
+  an index past the end writes nothing), stored as it is or packed. A
+  packed row's neighbours in its physical row are untouched: the scatter
+  writes words, not physical rows."""
+  values = values.astype(stored.dtype)
+  if stored.shape[1] == width:
+    return stored.at[idx].set(values, mode="drop")
+  k = LANES // width
+  cols = (idx % k)[:, None] * width + jnp.arange(width)[None, :]
+  return stored.at[(idx // k)[:, None], cols].set(values, mode="drop")
 
 
 def unpack_rows(words: jax.Array, dtype) -> jax.Array:

@@ -71,7 +71,9 @@ def plan_shard(t: ShardedTable, blocks: Sequence) -> TableResiduals:
 def lookup_shard(t: ShardedTable, table: jax.Array, blocks: Sequence):
   """This device's embeddings from its whole copy of the table."""
   unique, plan = _plan(t, blocks)
-  slot_rows = kernels.gather(table, plan.owner_rows, dtype=t.spec.dtype, backend=t.backend)
+  slot_rows = kernels.gather(
+    table, plan.owner_rows, dtype=t.spec.dtype, backend=t.backend, dim=t.spec.dim
+  )
   rows = take_rows(slot_rows, plan.token_slot)
   outs, weights = pool_all(t, blocks, rows, plan.token_slot >= 0)
   return outs, make_residuals(unique, plan, weights)

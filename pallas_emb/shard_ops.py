@@ -147,7 +147,9 @@ def lookup_shard(t: ShardedTable, table: jax.Array, blocks: Sequence):
   unique, plan, counts = _route(t, blocks)
   # Owners read the rows of the slots they received (one read per source
   # that asked), and each id takes its slot's row.
-  slot_rows = kernels.gather(table, plan.recv_rows, dtype=t.spec.dtype, backend=t.backend)
+  slot_rows = kernels.gather(
+    table, plan.recv_rows, dtype=t.spec.dtype, backend=t.backend, dim=t.spec.dim
+  )
   rows = from_owners(
     plan,
     slot_rows,

@@ -30,8 +30,10 @@ class TableState(NamedTuple):
 
   Attributes:
     table: (num_shards * rows_per_shard, storage_width) float32, or uint32
-      words for bfloat16 (see `packing`). Physical row order of the layout.
-    slots: slot name -> (num_shards * rows_per_shard, width) float32 | int32.
+      words for bfloat16, or packed (`packing.table_shape`). Physical row
+      order of the layout.
+    slots: slot name -> (num_shards * rows_per_shard, width) float32 |
+      int32, or packed (`SlotSpec.shape_for`).
     step: () int32, updates applied so far (the step of schedules); of a
       stack of tables (M,), each member's own.
   """
@@ -137,7 +139,7 @@ def init_shard(
     name: jnp.full(s.shape_for(rps, spec.dim), s.init, s.dtype)
     for name, s in spec.optimizer.slot_specs().items()
   }
-  return table, slots
+  return packing.table_stored(table, spec.dim, spec.dtype), slots
 
 
 def to_host(x: jax.Array) -> np.ndarray:
@@ -165,10 +167,17 @@ def state_from_logical(
     slots: every slot, (num_rows, width) of its dtype.
     sharding, replicated: where rows and the step go.
   """
-  put = lambda x: jax.device_put(layout.to_physical(x), sharding)
   specs = spec.optimizer.slot_specs()
   return TableState(
-    put(packing.to_storage(table, spec.dtype)),
+    jax.device_put(
+      packing.table_stored(
+        layout.to_physical(packing.to_storage(table, spec.dtype)),
+        spec.dim,
+        spec.dtype,
+        layout.rows_per_shard,
+      ),
+      sharding,
+    ),
     {
       k: jax.device_put(
         specs[k].as_stored(layout.to_physical(v), spec.dim, layout.rows_per_shard), sharding
@@ -181,7 +190,7 @@ def state_from_logical(
 
 def logical_table(spec: TableSpec, layout: RowLayout, state: TableState) -> np.ndarray:
   """(num_rows, dim) host copy of a table in logical order, of its dtype."""
-  physical = to_host(state.table)
+  physical = packing.table_rows(to_host(state.table), spec.dim, spec.dtype)
   return packing.from_storage(layout.to_logical(physical), spec.dtype)
 
 
@@ -191,6 +200,13 @@ def logical_slots(spec: TableSpec, layout: RowLayout, state: TableState) -> dict
   return {
     k: layout.to_logical(specs[k].as_rows(to_host(v), spec.dim)) for k, v in state.slots.items()
   }
+
+
+def reshard_table(spec: TableSpec, old: RowLayout, new: RowLayout, table) -> np.ndarray:
+  """A host table stored for layout `old` -> stored for layout `new` (packed
+  or not, as each layout's shards say)."""
+  rows = packing.table_rows(np.asarray(table), spec.dim, spec.dtype)
+  return packing.table_stored(old.reshard(rows, new), spec.dim, spec.dtype, new.rows_per_shard)
 
 
 def reshard_slots(spec: TableSpec, old: RowLayout, new: RowLayout, slots) -> dict[str, np.ndarray]:

@@ -311,9 +311,11 @@ def test_init_does_not_depend_on_shard_count_or_layout():
 def test_init_places_every_shard_on_its_device():
   emb = _emb(8, pe.Adagrad(), rows=1000)
   state = emb.init(jax.random.key(0))
+  # Rows of 16 floats are stored packed, 8 to a 128-lane row (pe.packing).
+  rps = emb.layout("t").rows_per_shard
   for x in (state["t"].table, state["t"].slots["acc"]):
     assert x.sharding.spec[0] == "x"
-    assert {s.data.shape[0] for s in x.addressable_shards} == {emb.layout("t").rows_per_shard}
+    assert {s.data.shape for s in x.addressable_shards} == {(rps * D // 128, 128)}
 
 
 def test_state_from_logical_round_trips(mesh_kind):
@@ -374,7 +376,10 @@ def test_bad_arguments_raise_specific_errors():
     emb.apply_gradients(state, res, {"bag": jnp.ones((24, 8)), "seq": acts["seq"]})
   other = _emb(8, pe.SGD(), dim=8)
   with pytest.raises(
-    pe.InputError, match=r"table 't' has float32\[64, 16\].*stores float32\[64, 8\]"
+    # Rows of 16 floats are stored packed (8 to a 128-lane row), of 8 floats
+    # in shards of 8 rows as they are (16 would share a row).
+    pe.InputError,
+    match=r"table 't' has float32\[8, 128\].*stores float32\[64, 8\]",
   ):
     other.lookup(state, ids)
   with pytest.raises(pe.InputError, match=r"unknown table 'u'"):
@@ -455,7 +460,7 @@ def test_slots_are_checked_on_every_backend():
   emb = _emb(8, pe.RowWiseAdagrad())
   state = emb.init(jax.random.key(0))
   acts, res = emb.lookup(state, _batch(np.random.default_rng(0)))
-  rows = state["t"].table.shape[0]
+  rows = emb.layout("t").num_physical_rows
   wrong = {"t": state["t"]._replace(slots={"acc": jnp.zeros((rows, D), jnp.float32)})}
   with pytest.raises(
     pe.InputError,

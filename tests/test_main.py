@@ -185,6 +185,11 @@ def test_restore_written_on_8_devices_onto_4(tmp_path):
   tr4, template, feed4 = _trainer(4)
   state4 = Checkpointer(str(tmp_path), tr4).restore(template, feed4.train)
   assert int(state4.step) == 3
+  # Rows of 8 floats pack 16 to a 128-lane row where a shard's rows allow:
+  # the item table's shards of 40 rows (8 devices) store rows, of 80 (4
+  # devices) packed rows, so the restore repacked it.
+  assert tr8.emb.member_states(state8.tables)["item"].table.shape[1] == 8
+  assert tr4.emb.member_states(state4.tables)["item"].table.shape[1] == 128
   for name in ("user", "item", "category"):
     np.testing.assert_array_equal(
       tr4.emb.logical_table(state4.tables, name), tr8.emb.logical_table(state8.tables, name)

@@ -24,25 +24,32 @@ def _kernel_mode(backend: str) -> bool:
 def uses_kernel(backend: str, table, slots=None, optimizer=None) -> bool:
   """Whether `backend` runs the Pallas kernels on this stored table shard.
 
-  On a TPU a Mosaic operand is (8, 128)-tiled, but XLA keeps a table whose
+  On a TPU a Mosaic operand is (8, 128)-tiled, but XLA keeps an array whose
   stored rows are not a multiple of 128 lanes wide transposed in HBM, so a
-  kernel there would relayout the whole table every step: such tables take
-  the XLA path on "pallas". The interpreter ("interpret") runs the kernels
-  at any width: that is how they are tested. The update kernel also needs
-  whole 128-row groups of a shard with per-row scalar slots.
+  kernel there would relayout the whole table every step: such tables (and
+  tables with such slots) take the XLA path on "pallas". Rows narrower
+  than 128 lanes are stored packed (`pallas_emb.packing`), 128 lanes wide,
+  wherever their width divides 128, so only other widths do. The
+  interpreter ("interpret") runs the kernels at any width: that is how they
+  are tested. The update kernel also needs whole 128-row groups of a shard
+  with per-row scalar slots.
   """
   if check_name(backend) in ("xla", "native"):
     return False
   if slots is not None and not pallas_update.supports(table, slots, optimizer.slot_specs()):
     return False
-  return backend == "interpret" or table.shape[1] % chip.LANES == 0
+  arrays = [table] + list((slots or {}).values())
+  return backend == "interpret" or all(a.shape[1] % chip.LANES == 0 for a in arrays)
 
 
-def gather(table, rows, *, dtype, backend: str):
-  """(C,) local rows (-1 padding) of a stored table -> (C, dim) float32."""
+def gather(table, rows, *, dtype, backend: str, dim: int | None = None):
+  """(C,) local rows (-1 padding) of a stored table -> (C, dim) float32.
+
+  `dim`: the row width, for a table that may be stored packed
+  (`pallas_emb.packing`); None for rows stored as they are."""
   if not uses_kernel(backend, table):
-    return xla.gather(table, rows, dtype=dtype)
-  return pallas_gather.gather(table, rows, dtype=dtype, interpret=_kernel_mode(backend))
+    return xla.gather(table, rows, dtype=dtype, dim=dim)
+  return pallas_gather.gather(table, rows, dtype=dtype, dim=dim, interpret=_kernel_mode(backend))
 
 
 def fused_update(table, slots, rows, grads, scalars, apply, *, optimizer, dtype, backend: str):

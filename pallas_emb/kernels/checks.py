@@ -66,8 +66,14 @@ def check_rows(rows, name: str = "rows") -> int:
   return rows.shape[0]
 
 
-def check_stored_table(table, dtype) -> int:
-  """Validates a stored table for logical `dtype`; returns the row dim."""
+def check_stored_table(table, dtype, dim: int | None = None) -> int:
+  """Validates a stored table for logical `dtype`; returns the row dim.
+
+  Args:
+    dim: None for rows stored as they are, (R, storage width); else the
+      table's row width, and the table may also be stored packed,
+      (R * storage width / 128, 128) (see `pallas_emb.packing`).
+  """
   dtype = np.dtype(dtype)
   if dtype not in packing.SUPPORTED_DTYPES:
     raise InputError(f"dtype must be float32 or bfloat16, got {dtype}.")
@@ -78,8 +84,23 @@ def check_stored_table(table, dtype) -> int:
       f"pallas_emb.packing), got {table.dtype}{list(table.shape)}; build it "
       "with packing.to_storage / ShardedEmbedding.init."
     )
-  width = table.shape[1]
-  return 2 * width if dtype == packing.SUPPORTED_DTYPES[1] else width
+  if dim is None:
+    width = table.shape[1]
+    return 2 * width if dtype == packing.SUPPORTED_DTYPES[1] else width
+  width = packing.storage_width(dim, dtype)
+  if packing.num_rows_of(table, width) is None:
+    raise InputError(
+      f"a {dtype} table of dim {dim} is stored {want}[rows, {width}] or, "
+      f"packed, {want}[rows * {width} / {packing.LANES}, {packing.LANES}], "
+      f"got {table.dtype}{list(table.shape)}; store it with "
+      "packing.table_stored."
+    )
+  return dim
+
+
+def table_rows(table, dim: int, dtype) -> int:
+  """Logical rows of a table that `check_stored_table` accepted."""
+  return packing.num_rows_of(table, packing.storage_width(dim, dtype))
 
 
 def check_slots(
@@ -92,6 +113,7 @@ def check_slots(
   fix: str,
   table: str | None = None,
   rows_per_shard: int | None = None,
+  lenient: bool = False,
 ) -> None:
   """Validates slots against an optimizer's `slot_specs()`: the same names,
   and each slot stored as `SlotSpec.shape_for` says, of its dtype.
@@ -102,6 +124,8 @@ def check_slots(
     owner: the optimizer's name, for the message.
     fix: what to pass instead, for the message.
     table: the table's name, for the message.
+    lenient: also accept a row-shaped slot stored unpacked, (num_rows,
+      width), where `packing.packs` would pack it.
   """
   of = "" if table is None else f" of table {table!r}"
   if set(slots) != set(specs):
@@ -109,7 +133,12 @@ def check_slots(
   for name, spec in specs.items():
     x = slots[name]
     want = spec.shape_for(num_rows, dim, rows_per_shard)
-    if tuple(x.shape) != want or np.dtype(x.dtype) != np.dtype(spec.dtype):
+    # A kernel's caller may keep a wide slot as rows (unpacked); a scalar
+    # slot's stored shape is fixed (the kernels rely on its groups).
+    ok = tuple(x.shape) == want or (
+      lenient and spec.width != 1 and tuple(x.shape) == (num_rows, spec.width_for(dim))
+    )
+    if not ok or np.dtype(x.dtype) != np.dtype(spec.dtype):
       raise InputError(
         f"slot {name!r}{of} is {x.dtype}{list(x.shape)}, but {owner} keeps "
         f"{np.dtype(spec.dtype)}{list(want)} (see pallas_emb.packing); {fix}"
@@ -130,9 +159,9 @@ def check_scalars(scalars) -> None:
       )
 
 
-def check_gather(table, rows, dtype) -> int:
+def check_gather(table, rows, dtype, dim: int | None = None) -> int:
   """The validator of `gather` on every backend; returns the row dim."""
-  dim = check_stored_table(table, dtype)
+  dim = check_stored_table(table, dtype, dim)
   check_rows(rows)
   return dim
 
@@ -146,15 +175,16 @@ def check_grads(grads, num: int, dim: int, *, name: str = "grads", per: str = "r
     )
 
 
-def check_optimizer_state(table, slots, scalars, optimizer: RowUpdate, dim: int) -> None:
+def check_optimizer_state(table, slots, scalars, optimizer: RowUpdate, dim: int, dtype) -> None:
   """Validates an update's slots and step scalars against `optimizer`."""
   check_slots(
     slots,
     optimizer.slot_specs(),
-    table.shape[0],
+    table_rows(table, dim, dtype),
     dim,
     owner=type(optimizer).__name__,
     fix="pass the TableState's slots.",
+    lenient=True,
   )
   check_scalars(scalars)
 
@@ -162,6 +192,11 @@ def check_optimizer_state(table, slots, scalars, optimizer: RowUpdate, dim: int)
 def check_update(table, slots, rows, grads, scalars, *, optimizer: RowUpdate, dtype) -> int:
   """The validator of `fused_update` on every backend; returns the row dim."""
   dim = check_stored_table(table, dtype)
+  if grads.ndim == 2 and grads.shape[1] != dim and grads.shape[1] > 0:
+    # A packed table's row width is the gradients'.
+    width = packing.storage_width(grads.shape[1], dtype)
+    if width > 0 and packing.num_rows_of(table, width) is not None:
+      dim = grads.shape[1]
   check_grads(grads, check_rows(rows), dim)
-  check_optimizer_state(table, slots, scalars, optimizer, dim)
+  check_optimizer_state(table, slots, scalars, optimizer, dim, dtype)
   return dim

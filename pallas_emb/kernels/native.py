@@ -200,7 +200,7 @@ def fused_update(
   """`xla.fused_update` in C++: the listed rows updated in place.
 
   Args:
-    table: (R, dim) float32 stored rows.
+    table: (R, dim) float32 stored rows, or packed (`packing.table_shape`).
     slots: name -> (R, width) float32 optimizer state.
     rows: (C,) int32 distinct local row ids, -1 for padding.
     grads: (C, dim) float32 summed gradient per row.
@@ -231,7 +231,7 @@ def segment_sum_update(
   """One device's sum, norm, gate and update in one pass, in place.
 
   Args:
-    table: (R, dim) float32 stored rows.
+    table: (R, dim) float32 stored rows, or packed (`packing.table_shape`).
     slots: name -> (R, width) float32 optimizer state.
     rows: (C,) int32 local row of each unique slot, -1 for padding; distinct.
     inverse: (n,) int32 unique slot of each token; tokens outside [0, C)
@@ -246,7 +246,7 @@ def segment_sum_update(
     (table, slots, norm): norm is the () float32 norm of the per-row sums;
     rows are written only if it is finite and `gate` is True.
   """
-  dim = checks.check_stored_table(table, dtype)
+  dim = checks.check_stored_table(table, dtype, token_grads.shape[-1])
   checks.check_rows(rows)
   checks.check_grads(
     token_grads,
@@ -255,7 +255,7 @@ def segment_sum_update(
     name="token_grads",
     per="token of inverse",
   )
-  checks.check_optimizer_state(table, slots, scalars, optimizer, dim)
+  checks.check_optimizer_state(table, slots, scalars, optimizer, dim, dtype)
   rule = _require(optimizer, dtype)
   per_row = _per_row(rule, optimizer, slots, rows, scalars, dim)
   table, slots, (norm,) = _call(

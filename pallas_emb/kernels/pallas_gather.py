@@ -38,13 +38,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_emb import packing
-from pallas_emb.kernels import checks, row_dma
+from pallas_emb.kernels import checks, row_dma, sub_rows
 from pallas_emb.kernels import chip as chip_lib
 
 DEFAULT_CHUNK_ROWS = 128
 
 
-def vmem_footprint_bytes(*, dim: int, dtype, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> int:
+def vmem_footprint_bytes(
+  *, dim: int, dtype, chunk_rows: int = DEFAULT_CHUNK_ROWS, packed: bool = False
+) -> int:
   """VMEM the gather needs for one chunk size, in bytes.
 
   Counts, in (8, 128)-tiled 32-bit words: two row buffers (C, storage width)
@@ -55,20 +57,25 @@ def vmem_footprint_bytes(*, dim: int, dtype, chunk_rows: int = DEFAULT_CHUNK_ROW
     dim: the row width D.
     dtype: the table's logical dtype (float32 or bfloat16).
     chunk_rows: rows per chunk C.
+    packed: the table is stored packed; its rotated sub-rows (`sub_rows`)
+      take a (C, 128) scratch.
   """
   c = chunk_rows
   width = packing.storage_width(dim, dtype)
   pad = chip_lib.padded_words
-  words = 2 * pad(c, width) + 3 * pad(c, dim)
+  words = 2 * pad(c, width) + 3 * pad(c, dim) + packed * pad(c, packing.LANES)
   return words * chip_lib.WORD_BYTES
 
 
-def _gather_kernel(rows_ref, table_hbm, out_ref, buf, sems, *, dtype, num_rows):
+def _gather_kernel(rows_ref, table_hbm, out_ref, buf, *scratch, dtype, num_rows, width, shift):
   """One grid step: one chunk of row ids; see the module docstring.
 
   Refs: rows (W,) int32 in SMEM; the table in HBM; the (C, dim) float32
-  output block; a (2, C, width) VMEM buffer; (2,) DMA semaphores.
+  output block; a (2, C, stored width) VMEM buffer; for a packed table
+  (`shift` > 0) a (C, 128) int32 scratch of rotated sub-rows; (2,) DMA
+  semaphores.
   """
+  *sub, sems = scratch
   chunk = buf.shape[1]
   i = pl.program_id(0)
   cur = i % 2
@@ -82,6 +89,7 @@ def _gather_kernel(rows_ref, table_hbm, out_ref, buf, sems, *, dtype, num_rows):
       [sems.at[slot]],
       num_rows=num_rows,
       zero_skipped=True,
+      shift=shift,
     )
 
   @pl.when(i == 0)
@@ -93,7 +101,11 @@ def _gather_kernel(rows_ref, table_hbm, out_ref, buf, sems, *, dtype, num_rows):
     copies(i + 1, 1 - cur).start()
 
   copies(i, cur).wait()
-  out_ref[...] = packing.unpack_rows(buf[cur], dtype)
+  if not shift:
+    out_ref[...] = packing.unpack_rows(buf[cur], dtype)
+    return
+  sub_rows.extract(rows_ref, i * chunk, [buf.at[cur]], sub, shifts=[shift], widths=[width])
+  out_ref[...] = packing.unpack_rows(sub_rows.rows_of(sub[0], width, buf.dtype), dtype)
 
 
 def gather(
@@ -101,6 +113,7 @@ def gather(
   rows: jax.Array,
   *,
   dtype,
+  dim: int | None = None,
   interpret=False,
   chunk_rows: int = DEFAULT_CHUNK_ROWS,
   window_rows: int | None = None,
@@ -110,9 +123,11 @@ def gather(
 
   Args:
     table: (R, W) stored rows: float32 (W = dim) or uint32 words of bfloat16
-      (W = dim / 2).
+      (W = dim / 2); given `dim`, also packed (R * W / 128, 128), whose
+      physical rows are DMA'd whole (`sub_rows`).
     rows: (U,) int32 local row ids; -1 (any id outside [0, R)) is padding.
     dtype: the table's logical dtype.
+    dim: the row width (None: rows stored as they are).
     interpret: False (compile for TPU), True (TPU interpret mode) or a
       `pltpu.InterpretParams`.
     chunk_rows: rows per grid step, a positive multiple of 8 (capped at U
@@ -128,7 +143,7 @@ def gather(
     ConfigError: a bad chunk_rows, interpret or target.
     VmemBudgetError: the chunk does not fit the target chip's VMEM.
   """
-  dim = checks.check_gather(table, rows, dtype)
+  dim = checks.check_gather(table, rows, dtype, dim)
   num_ids = rows.shape[0]
   chunk = checks.chunk_size(chunk_rows, num_ids)
   params = checks.interpret_params(interpret)
@@ -136,7 +151,15 @@ def gather(
     return jnp.zeros((0, dim), jnp.float32)
   chip = chip_lib.resolve_chip(target)
   footprint = chip_lib.check_vmem(
-    "gather", lambda c: vmem_footprint_bytes(dim=dim, dtype=dtype, chunk_rows=c), chunk, chip
+    "gather",
+    lambda c: vmem_footprint_bytes(
+      dim=dim,
+      dtype=dtype,
+      chunk_rows=c,
+      packed=table.shape[1] != packing.storage_width(dim, dtype),
+    ),
+    chunk,
+    chip,
   )
   window = chip_lib.window_ids(chip, chunk, window_rows)
   rows = jnp.pad(rows, (0, chip_lib.round_up(num_ids, window) - num_ids), constant_values=-1)
@@ -144,6 +167,7 @@ def gather(
     table,
     rows,
     num_ids=num_ids,
+    dim=dim,
     dtype=np.dtype(dtype),
     chunk=chunk,
     window=window,
@@ -153,12 +177,14 @@ def gather(
 
 
 @functools.partial(
-  jax.jit, static_argnames=["num_ids", "dtype", "chunk", "window", "interpret", "vmem_limit"]
+  jax.jit,
+  static_argnames=["num_ids", "dim", "dtype", "chunk", "window", "interpret", "vmem_limit"],
 )
-def _gather_call(table, rows, *, num_ids, dtype, chunk, window, interpret, vmem_limit):
+def _gather_call(table, rows, *, num_ids, dim, dtype, chunk, window, interpret, vmem_limit):
   """The kernel, once per window of ids."""
-  width = table.shape[1]
-  dim = 2 * width if dtype == packing.SUPPORTED_DTYPES[1] else width
+  width = packing.storage_width(dim, dtype)
+  shift = sub_rows.shift_of(width, table.shape[1])
+  num_rows = packing.num_rows_of(table, width)
   outs = []
   for start in range(0, num_ids, window):
     size = min(window, num_ids - start)
@@ -170,21 +196,21 @@ def _gather_call(table, rows, *, num_ids, dtype, chunk, window, interpret, vmem_
     cost = pl.CostEstimate(
       flops=cost.flops,
       transcendentals=cost.transcendentals,
-      # Each id reads its row and its id; the output is written once.
-      bytes_accessed=size * (width * 4 + 4 + dim * 4),
+      # Each id reads its (physical) row and its id; the output is
+      # written once.
+      bytes_accessed=size * (table.shape[1] * 4 + 4 + dim * 4),
     )
     outs.append(
       pl.pallas_call(
-        functools.partial(_gather_kernel, dtype=dtype, num_rows=table.shape[0]),
+        functools.partial(_gather_kernel, dtype=dtype, num_rows=num_rows, width=width, shift=shift),
         grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=1,
           grid=(steps,),
           in_specs=[pl.BlockSpec(memory_space=pltpu.HBM)],
           out_specs=pl.BlockSpec((chunk, dim), lambda i, rows: (i, 0)),
-          scratch_shapes=[
-            pltpu.VMEM((2, chunk, width), table.dtype),
-            pltpu.SemaphoreType.DMA((2,)),
-          ],
+          scratch_shapes=[pltpu.VMEM((2, chunk, table.shape[1]), table.dtype)]
+          + [pltpu.VMEM((chunk, packing.LANES), jnp.int32)] * (shift > 0)
+          + [pltpu.SemaphoreType.DMA((2,))],
         ),
         out_shape=jax.ShapeDtypeStruct((size, dim), jnp.float32),
         compiler_params=pltpu.CompilerParams(

@@ -40,7 +40,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_emb import packing
 from pallas_emb.errors import InputError
-from pallas_emb.kernels import checks, scalar_slots, update_kernel
+from pallas_emb.kernels import checks, scalar_slots, sub_rows, update_kernel
 from pallas_emb.kernels import chip as chip_lib
 from pallas_emb.kernels.protocol import RowUpdate
 
@@ -55,11 +55,17 @@ def is_narrow(spec: packing.SlotSpec) -> bool:
 def supports(table, slots, specs) -> bool:
   """Whether the kernel can update this shard: per-row scalar slots must be
   stored in lane-dense groups, which needs whole 128-row groups."""
-  return all(specs[n].grouped(table.shape[0]) for n in slots if is_narrow(specs[n]))
+  del table
+  return all(slots[n].shape[1] == packing.LANES for n in slots if is_narrow(specs[n]))
 
 
 def vmem_footprint_bytes(
-  *, dim: int, dtype, slot_widths: Sequence[int], chunk_rows: int = DEFAULT_CHUNK_ROWS
+  *,
+  dim: int,
+  dtype,
+  slot_widths: Sequence[int],
+  chunk_rows: int = DEFAULT_CHUNK_ROWS,
+  num_packed: int = 0,
 ) -> int:
   """VMEM the fused update needs for one chunk size, in bytes.
 
@@ -68,13 +74,18 @@ def vmem_footprint_bytes(
   -- the double buffer of the DMA schedule --; two (C, dim) gradient blocks
   (the Pallas pipeline's double buffer); the values live during the update:
   unpacked and updated rows, a temporary, the packed words, old and new slot
-  rows; per scalar slot its (C, 1) old and new values and a carried group.
+  rows; per scalar slot its (C, 1) old and new values and a carried group;
+  per packed row array (`sub_rows`) its (C, 128) rotated sub-rows and a
+  carried physical row (its double buffer is counted at 128 lanes by the
+  caller's `slot_widths`, or here for the table).
 
   Args:
     dim: the row width D.
     dtype: the table's logical dtype (float32 or bfloat16).
-    slot_widths: columns of each optimizer slot (dim, or 1 for per-row state).
+    slot_widths: stored columns of each optimizer slot (dim, 128 packed,
+      or 1 for per-row state).
     chunk_rows: rows per chunk C.
+    num_packed: how many of the table and row-shaped slots are packed.
   """
   c = chunk_rows
   width = packing.storage_width(dim, dtype)
@@ -89,6 +100,7 @@ def vmem_footprint_bytes(
     + pad(c, width)
     + 2 * wide
     + narrow * (2 * pad(c, scalar_slots.GROUP) + 2 * pad(c, 1) + pad(1, scalar_slots.GROUP))
+    + num_packed * (pad(c, packing.LANES) + pad(1, packing.LANES))
   )
   return words * chip_lib.WORD_BYTES
 
@@ -156,15 +168,25 @@ def fused_update(
       f"{scalar_slots.GROUP} rows, and this shard has {table.shape[0]}; use "
       "the XLA path (kernels.uses_kernel decides)."
     )
+  wide = tuple(n for n in slots if not is_narrow(specs[n]))
+  widths = (packing.storage_width(dim, dtype),) + tuple(specs[n].width_for(dim) for n in wide)
   layout = update_kernel.Layout(
-    tuple(n for n in slots if not is_narrow(specs[n])),
+    wide,
     tuple(n for n in slots if is_narrow(specs[n])),
+    widths,
+    tuple(
+      sub_rows.shift_of(w, a.shape[1]) for w, a in zip(widths, [table] + [slots[n] for n in wide])
+    ),
   )
   chip = chip_lib.resolve_chip(target)
   footprint = chip_lib.check_vmem(
     "fused_update",
     lambda c: vmem_footprint_bytes(
-      dim=dim, dtype=dtype, slot_widths=[s.shape[1] for s in slots.values()], chunk_rows=c
+      dim=dim,
+      dtype=dtype,
+      slot_widths=[s.shape[1] for s in slots.values()],
+      chunk_rows=c,
+      num_packed=len(layout.packed),
     ),
     chunk,
     chip,
@@ -269,14 +291,15 @@ def _window_call(
   """The pallas_call of one window of `size` ids."""
   dim = grads.shape[1]
   table = arrays[0]
+  num_rows = packing.num_rows_of(table, layout.widths[0])
   steps = pl.cdiv(size, chunk)
   sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt)
   wide = arrays[1 : len(arrays) - num_narrow]
   narrow = arrays[len(arrays) - num_narrow :]
   cost = pl.estimate_cost(
     functools.partial(update_kernel.update_chunk, optimizer=optimizer, dtype=dtype),
-    sds((steps * chunk, table.shape[1]), table.dtype),
-    {n: sds((steps * chunk, a.shape[1]), a.dtype) for n, a in zip(layout.wide, wide)}
+    sds((steps * chunk, layout.widths[0]), table.dtype),
+    {n: sds((steps * chunk, w), a.dtype) for n, a, w in zip(layout.wide, wide, layout.widths[1:])}
     | {n: sds((steps * chunk, 1), a.dtype) for n, a in zip(layout.narrow, narrow)},
     sds((steps * chunk, dim), jnp.float32),
     scalars_type(*(sds((), jnp.float32) for _ in scalars_type._fields)),
@@ -285,8 +308,9 @@ def _window_call(
   cost = pl.CostEstimate(
     flops=cost.flops,
     transcendentals=cost.transcendentals,
-    # Each id reads and writes its row of every array (a scalar slot's
-    # 128-row group, written once per group); grads and ids are read once.
+    # Each id reads and writes its row of every array (a packed array's
+    # physical row, a scalar slot's 128-row group, written once per group);
+    # grads and ids are read once.
     bytes_accessed=size * (2 * row_bytes + dim * 4 + 4),
   )
 
@@ -298,8 +322,9 @@ def _window_call(
     dtype=dtype,
     layout=layout,
     scalars_type=scalars_type,
-    num_rows=table.shape[0],
+    num_rows=num_rows,
   )
+  packed = [arrays[k] for k in layout.packed]
   return pl.pallas_call(
     kernel,
     grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -312,7 +337,9 @@ def _window_call(
       scratch_shapes=[pltpu.VMEM((2, chunk, a.shape[1]), a.dtype) for a in arrays]
       + [pltpu.VMEM((chunk, 1), a.dtype) for a in narrow] * 2
       + [pltpu.VMEM((1, a.shape[1]), a.dtype) for a in narrow]
-      + [pltpu.SMEM((1,), jnp.int32)]
+      + [pltpu.VMEM((chunk, packing.LANES), jnp.int32) for _ in packed]
+      + [pltpu.VMEM((1, packing.LANES), a.dtype) for a in packed]
+      + [pltpu.SMEM((1,), jnp.int32), pltpu.SMEM((max(len(packed), 1),), jnp.int32)]
       + [pltpu.SemaphoreType.DMA((2, len(arrays)))] * 2,
     ),
     # In HBM, stated: else XLA may stage a small enough slot (or table)

@@ -113,16 +113,17 @@ class _Copies:
 
 class ChunkTransfers:
   """The reads and write-backs of one chunk of every array of an update,
-  written once: rows of the table and row-shaped slots, and the 128-row
-  groups of the scalar slots (`scalar_slots`), each array with its own
-  semaphore of the buffer's pair.
+  written once: rows of arrays stored as rows, whole physical rows of
+  packed arrays (`sub_rows`) and the 128-row groups of the scalar slots
+  (`scalar_slots`), each array with its own semaphore of the buffer's pair.
 
   Args:
     ids: the SMEM ref of the call's local row ids (ascending, -1 last).
-    hbm: the HBM refs, table first, the `num_grouped` scalar slots last.
+    hbm: the HBM refs, table first.
     bufs: their (2, C, width) VMEM double buffers.
     read_sems, write_sems: (2, arrays) DMA semaphores.
-    num_grouped: how many of the arrays (the last) are scalar slots.
+    shifts: per array, log2 of its logical rows per physical row: 0 for
+      rows stored as they are, 7 for a scalar slot's groups.
     num_rows: the shard's rows; other ids are padding.
   """
 
@@ -134,53 +135,47 @@ class ChunkTransfers:
     read_sems,
     write_sems,
     *,
-    num_grouped: int,
+    shifts: Sequence[int],
     num_rows: int,
   ):
     self._ids, self._hbm, self._bufs = ids, tuple(hbm), tuple(bufs)
     self._read_sems, self._write_sems = read_sems, write_sems
-    self._split = len(self._hbm) - num_grouped
+    self._groups = {}
+    for k, shift in enumerate(shifts):
+      self._groups.setdefault(shift, []).append(k)
     self._num_rows = num_rows
 
-  def _args(self, step, buf, sems, rows: bool):
-    part = slice(None, self._split) if rows else slice(self._split, None)
+  def _args(self, step, buf, sems, arrays):
     chunk = self._bufs[0].shape[1]
-    arrays = range(len(self._hbm))[part]
     return (
       self._ids,
       step * chunk,
-      self._hbm[part],
+      [self._hbm[k] for k in arrays],
       [self._bufs[k].at[buf] for k in arrays],
       [sems.at[buf, k] for k in arrays],
     )
 
   def reads(self, step, buf) -> _Copies:
     """Chunk `step`'s reads into buffer `buf`."""
-    parts = [ChunkCopies(*self._args(step, buf, self._read_sems, True), num_rows=self._num_rows)]
-    if self._split < len(self._hbm):
-      parts.append(
-        ChunkCopies(
-          *self._args(step, buf, self._read_sems, False),
-          num_rows=self._num_rows,
-          shift=scalar_slots.GROUP_SHIFT,
-        )
+    return _Copies(
+      ChunkCopies(
+        *self._args(step, buf, self._read_sems, arrays), num_rows=self._num_rows, shift=shift
       )
-    return _Copies(parts)
+      for shift, arrays in self._groups.items()
+    )
 
   def writes(self, step, buf) -> _Copies:
-    """Chunk `step`'s write-backs from buffer `buf` (a scalar slot's group
-    once, by its run's last id)."""
-    parts = [
-      ChunkCopies(
-        *self._args(step, buf, self._write_sems, True), num_rows=self._num_rows, to_hbm=True
-      )
-    ]
-    if self._split < len(self._hbm):
-      parts.append(
-        scalar_slots.GroupWrites(
-          *self._args(step, buf, self._write_sems, False),
-          num_rows=self._num_rows,
-          num_ids_in_call=self._ids.shape[0],
+    """Chunk `step`'s write-backs from buffer `buf` (a packed array's
+    physical row once, by its run's last id)."""
+    parts = []
+    for shift, arrays in self._groups.items():
+      args = self._args(step, buf, self._write_sems, arrays)
+      if shift == 0:
+        parts.append(ChunkCopies(*args, num_rows=self._num_rows, to_hbm=True))
+      else:
+        parts.append(
+          scalar_slots.GroupWrites(
+            *args, num_rows=self._num_rows, num_ids_in_call=self._ids.shape[0], shift=shift
+          )
         )
-      )
     return _Copies(parts)

@@ -71,15 +71,16 @@ def extract(ids, offset: int | jax.Array, bufs: Sequence, cols: Sequence, *, num
   lax.fori_loop(0, chunk, body, 0)
 
 
-def _is_end(ids, pos, num_ids_in_call, *, num_rows):
-  """Whether id `pos` is the last of its run among the ids of the call."""
+def is_end(ids, pos, num_ids_in_call, *, num_rows, shift: int = GROUP_SHIFT):
+  """Whether id `pos` is the last of its run among the ids of the call: the
+  ids of one physical row `id >> shift`."""
   row = ids[pos]
   nxt = ids[jnp.minimum(pos + 1, num_ids_in_call - 1)]
   last = pos + 1 >= num_ids_in_call
   return (
     (row >= 0)
     & (row < num_rows)
-    & (last | (nxt < 0) | (nxt >= num_rows) | ((nxt >> GROUP_SHIFT) != (row >> GROUP_SHIFT)))
+    & (last | (nxt < 0) | (nxt >= num_rows) | ((nxt >> shift) != (row >> shift)))
   )
 
 
@@ -134,7 +135,7 @@ def merge(
   # The chunk's last run goes on into the next chunk: carry it there.
   last = offset + chunk - 1
   carries = jnp.logical_and(
-    last_group >= 0, jnp.logical_not(_is_end(ids, last, num_ids_in_call, num_rows=num_rows))
+    last_group >= 0, jnp.logical_not(is_end(ids, last, num_ids_in_call, num_rows=num_rows))
   )
 
   @pl.when(carries)
@@ -149,7 +150,8 @@ class GroupWrites:
   """The write-backs of a chunk's merged groups: one DMA per run end.
 
   Waits recompute the same run ends from the ids, so each wait matches the
-  DMA that was started.
+  DMA that was started. `shift`: the group of id r is physical row r >>
+  shift (packed rows of any width, `sub_rows`, are written the same way).
   """
 
   def __init__(
@@ -162,8 +164,9 @@ class GroupWrites:
     *,
     num_rows: int,
     num_ids_in_call,
+    shift: int = GROUP_SHIFT,
   ):
-    self._ids, self._offset = ids, offset
+    self._ids, self._offset, self._shift = ids, offset, shift
     self._arrays = tuple(zip(hbm, vmem, sems))
     self._num_rows, self._num_ids = num_rows, num_ids_in_call
 
@@ -179,9 +182,9 @@ class GroupWrites:
     def body(j, carry):
       pos = self._offset + j
 
-      @pl.when(_is_end(self._ids, pos, self._num_ids, num_rows=self._num_rows))
+      @pl.when(is_end(self._ids, pos, self._num_ids, num_rows=self._num_rows, shift=self._shift))
       def _():
-        group = self._ids[pos] >> GROUP_SHIFT
+        group = self._ids[pos] >> self._shift
         for hbm, vmem, sem in self._arrays:
           action(pltpu.make_async_copy(vmem.at[pl.ds(j, 1)], hbm.at[pl.ds(group, 1)], sem))
 

@@ -28,6 +28,13 @@ That needs R to be a multiple of 128, which `RowLayout` gives every shard of
 128 rows or more; a smaller table takes the XLA path (`uses_kernel`). The
 group writes need the ids ascending (routing produces them so); padding ids
 (-1) come last.
+
+A table or row-shaped slot whose rows are narrower than 128 lanes is stored
+packed (`pallas_emb.packing`) and moves the same way: whole 128-lane
+physical rows, each id's sub-row rotated out for `update_rows` and merged
+back, one write per run of ids in a physical row (`sub_rows`). Each array
+has its own shift (a bfloat16 table's words pack twice as many rows as its
+float32 slots).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from typing import NamedTuple
 from jax.experimental import pallas as pl
 
 from pallas_emb import packing
-from pallas_emb.kernels import row_dma, scalar_slots
+from pallas_emb.kernels import row_dma, scalar_slots, sub_rows
 
 
 def update_chunk(words, slots, grads, scalars, *, optimizer, dtype):
@@ -54,6 +61,15 @@ class Layout(NamedTuple):
 
   wide: tuple[str, ...]  # row-shaped slots, DMA'd with the rows
   narrow: tuple[str, ...]  # per-row scalars, DMA'd as (1, 128) groups
+  # Per row array (the table, then `wide`): its row width w in words and
+  # shift (log2 of logical rows per physical row; 0: stored as rows).
+  widths: tuple[int, ...] = ()
+  shifts: tuple[int, ...] = ()
+
+  @property
+  def packed(self) -> tuple[int, ...]:
+    """The row arrays stored packed (`sub_rows`), by index."""
+    return tuple(k for k, s in enumerate(self.shifts) if s)
 
 
 def update_kernel(
@@ -78,14 +94,19 @@ def update_kernel(
   i = pl.program_id(0)
   last = pl.num_programs(0) - 1
   cur, nxt = i % 2, 1 - i % 2
+  num_rows_dma = 1 + len(layout.wide)
   copies = row_dma.ChunkTransfers(
     rows_ref,
     arrays.hbm,
     arrays.bufs,
     arrays.read_sems,
     arrays.write_sems,
-    num_grouped=len(layout.narrow),
+    shifts=layout.shifts + (scalar_slots.GROUP_SHIFT,) * len(layout.narrow),
     num_rows=num_rows,
+  )
+  packed = layout.packed
+  packed_args = dict(
+    shifts=[layout.shifts[k] for k in packed], widths=[layout.widths[k] for k in packed]
   )
 
   # Not applying issues no DMA at all: nothing can be written.
@@ -94,6 +115,8 @@ def update_kernel(
     @pl.when(i == 0)
     def _():
       arrays.carry_group[0] = -1
+      for a in range(len(packed)):
+        arrays.carry_rows[a] = -1
       copies.reads(0, 0).start()
 
     @pl.when(i < last)
@@ -106,19 +129,41 @@ def update_kernel(
       copies.reads(i + 1, nxt).start()
 
     copies.reads(i, cur).wait()
-    num_rows_dma = 1 + len(layout.wide)
+    row_bufs = [b.at[cur] for b in arrays.bufs[:num_rows_dma]]
     narrow_bufs = [b.at[cur] for b in arrays.bufs[num_rows_dma:]]
     if layout.narrow:
       scalar_slots.extract(rows_ref, i * chunk, narrow_bufs, arrays.old_cols, num_rows=num_rows)
+    if packed:
+      sub_rows.extract(
+        rows_ref, i * chunk, [row_bufs[k] for k in packed], arrays.subs, **packed_args
+      )
+    values = [b[...] for b in row_bufs]
+    for a, k in enumerate(packed):
+      values[k] = sub_rows.rows_of(arrays.subs[a], layout.widths[k], row_bufs[k].dtype)
     scalars = scalars_type(*(scalars_ref[k] for k in range(len(scalars_type._fields))))
-    slots = {n: b[cur] for n, b in zip(layout.wide, arrays.bufs[1:])}
+    slots = dict(zip(layout.wide, values[1:]))
     slots.update({n: c[...] for n, c in zip(layout.narrow, arrays.old_cols)})
     words, slots = update_chunk(
-      arrays.bufs[0][cur], slots, grads_ref[...], scalars, optimizer=optimizer, dtype=dtype
+      values[0], slots, grads_ref[...], scalars, optimizer=optimizer, dtype=dtype
     )
-    arrays.bufs[0][cur] = words
-    for name, buf in zip(layout.wide, arrays.bufs[1:]):
-      buf[cur] = slots[name]
+    new = [words] + [slots[n] for n in layout.wide]
+    for k, buf in enumerate(row_bufs):
+      if k not in packed:
+        buf[...] = new[k]
+    for a, k in enumerate(packed):
+      sub_rows.set_rows(arrays.subs[a], new[k])
+    if packed:
+      sub_rows.merge(
+        rows_ref,
+        i * chunk,
+        [row_bufs[k] for k in packed],
+        arrays.subs,
+        arrays.packed_carries,
+        arrays.carry_rows,
+        num_rows=num_rows,
+        num_ids_in_call=rows_ref.shape[0],
+        **packed_args,
+      )
     for name, col in zip(layout.narrow, arrays.new_cols):
       col[...] = slots[name]
     if layout.narrow:
@@ -146,24 +191,28 @@ def update_kernel(
 
 class _ArrayRefs(NamedTuple):
   """The kernel's refs after the gradients, by role (n arrays: the table,
-  the row-shaped slots, then the g scalar slots)."""
+  the row-shaped slots, then the g scalar slots; p of the row arrays
+  packed)."""
 
-  hbm: tuple  # n: (R, w) table and row slots, (R / 128, 128) scalar slots; aliased outputs
-  bufs: tuple  # n: (2, C, w) VMEM double buffers (a scalar slot's w: 128)
+  hbm: tuple  # n: (R, w) rows, (R * w / 128, 128) packed, (R / 128, 128) scalar slots; aliased
+  bufs: tuple  # n: (2, C, w) VMEM double buffers (packed and scalar slots: w = 128)
   old_cols: tuple  # g: (C, 1) VMEM, each id's value before the update
   new_cols: tuple  # g: (C, 1) VMEM, after it
   carries: tuple  # g: (1, 128) VMEM, the group a run carries into the next chunk
+  subs: tuple  # p: (C, 128) int32 VMEM, each id's sub-row rotated to lane 0
+  packed_carries: tuple  # p: (1, 128) VMEM, the physical row a run carries on
   carry_group: object  # (1,) int32 SMEM: that group's index, -1 for none
+  carry_rows: object  # (max(p, 1),) int32 SMEM: those physical rows, -1 for none
   read_sems: object  # (2, n) DMA semaphores of the reads, per buffer and array
   write_sems: object  # (2, n) DMA semaphores of the writes
 
   @classmethod
   def split(cls, refs, layout: Layout) -> _ArrayRefs:
-    n, g = 1 + len(layout.wide) + len(layout.narrow), len(layout.narrow)
-    sizes = (n, n, n, g, g, g, 1, 1, 1)  # the aliased inputs (unused) come first
+    n, g, p = 1 + len(layout.wide) + len(layout.narrow), len(layout.narrow), len(layout.packed)
+    sizes = (n, n, n, g, g, g, p, p, 1, 1, 1, 1)  # the aliased inputs (unused) come first
     parts, start = [], 0
     for size in sizes:
       parts.append(tuple(refs[start : start + size]))
       start += size
-    _, hbm, bufs, old, new, carries, (carry_group,), (reads,), (writes,) = parts
-    return cls(hbm, bufs, old, new, carries, carry_group, reads, writes)
+    _, hbm, bufs, old, new, carries, subs, pcarries, (cg,), (cr,), (reads,), (writes,) = parts
+    return cls(hbm, bufs, old, new, carries, subs, pcarries, cg, cr, reads, writes)

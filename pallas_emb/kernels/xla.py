@@ -3,6 +3,9 @@
 The oracle for the Pallas kernels and the fast path off TPU. Both functions
 work on one device's row shard, validate their arguments with the kernels'
 own checks, and call the optimizer's `update_rows`, like the kernels do.
+Tables and slots may be stored packed (`pallas_emb.packing`): rows are read
+and written as sub-rows of their physical rows, never through a reshape of
+the whole array (on a TPU that is a relayout of the whole shard).
 """
 
 from __future__ import annotations
@@ -20,29 +23,32 @@ def _out_of_bounds(rows: jax.Array, size: int, keep: jax.Array) -> jax.Array:
   return jnp.where(keep & (rows >= 0), rows, size)
 
 
-def gather(table: jax.Array, rows: jax.Array, *, dtype) -> jax.Array:
+def gather(table: jax.Array, rows: jax.Array, *, dtype, dim: int | None = None) -> jax.Array:
   """Reads rows of a stored table.
 
   Args:
-    table: (R, W) stored rows (float32, or uint32 words for bfloat16).
+    table: (R, W) stored rows (float32, or uint32 words for bfloat16), or,
+      given `dim`, packed (R * W / 128, 128).
     rows: (C,) int32 local row ids, -1 for padding.
     dtype: the table's logical dtype.
+    dim: the row width (None: the table's rows are stored as they are).
 
   Returns:
     (C, dim) float32, zero rows for padding.
   """
-  checks.check_gather(table, rows, dtype)
-  idx = _out_of_bounds(rows, table.shape[0], True)
-  words = jnp.take(table, idx, axis=0, mode="fill", fill_value=0)
-  return packing.unpack_rows(words, dtype)
+  dim = checks.check_gather(table, rows, dtype, dim)
+  width = packing.storage_width(dim, dtype)
+  idx = _out_of_bounds(rows, packing.num_rows_of(table, width), True)
+  return packing.unpack_rows(packing.take_rows(table, idx, width), dtype)
 
 
 def fused_update(table, slots, rows, grads, scalars, apply, *, optimizer: RowUpdate, dtype):
   """Applies `optimizer` to the listed rows, in place when donated.
 
   Args:
-    table: (R, W) stored rows.
-    slots: name -> (R, width) optimizer state.
+    table: (R, W) stored rows, or packed (R * W / 128, 128).
+    slots: name -> optimizer state in its stored shape (`SlotSpec.shape_for`)
+      or, for a row-shaped slot, (R, width).
     rows: (C,) int32 distinct local row ids, -1 for padding.
     grads: (C, dim) float32 summed gradient per row.
     scalars: `optimizer.scalars(step)`.
@@ -53,18 +59,16 @@ def fused_update(table, slots, rows, grads, scalars, apply, *, optimizer: RowUpd
   Returns:
     (table, slots) with only the listed rows changed.
   """
-  checks.check_update(table, slots, rows, grads, scalars, optimizer=optimizer, dtype=dtype)
-  idx = _out_of_bounds(rows, table.shape[0], apply)
-  take = lambda x: jnp.take(x, idx, axis=0, mode="fill", fill_value=0)
-  put = lambda x, v: x.at[idx].set(v.astype(x.dtype), mode="drop")
-  # Slots as (R, width), whatever their stored shape (see packing.SlotSpec).
-  specs, dim = optimizer.slot_specs(), grads.shape[1]
-  rows_of = {k: specs[k].as_rows(jnp.asarray(v), dim) for k, v in slots.items()}
+  dim = checks.check_update(table, slots, rows, grads, scalars, optimizer=optimizer, dtype=dtype)
+  width = packing.storage_width(dim, dtype)
+  idx = _out_of_bounds(rows, checks.table_rows(table, dim, dtype), apply)
+  specs = optimizer.slot_specs()
+  widths = {k: specs[k].width_for(dim) for k in slots}
   new_rows, new_slots = optimizer.update_rows(
-    packing.unpack_rows(take(table), dtype),
-    {k: take(v) for k, v in rows_of.items()},
+    packing.unpack_rows(packing.take_rows(table, idx, width), dtype),
+    {k: packing.take_rows(v, idx, widths[k]) for k, v in slots.items()},
     grads,
     scalars,
   )
-  table = put(table, packing.pack_rows(new_rows, dtype))
-  return table, {k: put(v, new_slots[k]).reshape(slots[k].shape) for k, v in rows_of.items()}
+  table = packing.put_rows(table, idx, packing.pack_rows(new_rows, dtype), width)
+  return table, {k: packing.put_rows(v, idx, new_slots[k], widths[k]) for k, v in slots.items()}

@@ -31,11 +31,11 @@ from pallas_emb.train.config import TrainConfig, validate_config
 
 
 class EmbTable(nnx.Variable):
-  """table name -> (rows, storage_width) stored table, rows sharded."""
+  """table name -> stored table (`packing.table_shape`), rows sharded."""
 
 
 class EmbSlots(nnx.Variable):
-  """table name -> slot name -> (rows, width) optimizer slot, rows sharded."""
+  """table name -> slot name -> stored optimizer slot (`SlotSpec.shape_for`), rows sharded."""
 
 
 class EmbStep(nnx.Variable):

@@ -251,8 +251,13 @@ def compile_step(
   for spec in map(emb.table_spec, emb.table_names):  # physical tables
     rps = emb.layout(spec.name).rows_per_shard
     table_bytes, slot_bytes = _state_bytes(spec, rps)
-    shapes = {(rps, packing.storage_width(spec.dim, spec.dtype))} | {
-      s.shape_for(rps, spec.dim) for s in spec.optimizer.slot_specs().values()
+    shapes = {
+      (rps, packing.storage_width(spec.dim, spec.dtype)),
+      packing.table_shape(rps, spec.dim, spec.dtype),
+    } | {
+      shape
+      for s in spec.optimizer.slot_specs().values()
+      for shape in (s.shape_for(rps, spec.dim), (rps, s.width_for(spec.dim)))
     }
     tables[spec.name] = {
       "rows": spec.num_rows,

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
-from pallas_emb import placement
+from pallas_emb import packing, placement
 from pallas_emb.spec import TableSpec
 from pallas_emb.stacking.plan import Group
 from pallas_emb.state import TableState
@@ -67,7 +67,8 @@ def _split(group: Group, num_shards: int, i: int, sharding, state: TableState) -
   slots = spec.optimizer.slot_specs()
 
   def gather(table, state_slots):
-    return _take(table, idx), {
+    rows = packing.table_rows(table, spec.dim, spec.dtype)
+    return packing.table_stored(_take(rows, idx), spec.dim, spec.dtype, rps), {
       k: slots[k].as_stored(_take(slots[k].as_rows(v, spec.dim), idx), spec.dim, rps)
       for k, v in state_slots.items()
     }
@@ -85,7 +86,8 @@ def _join(group: Group, num_shards: int, sharding, states) -> TableState:
   cat = lambda xs: jax.numpy.concatenate(xs, axis=0)
 
   def gather(tables, member_slots):
-    return _take(cat(tables), idx), {
+    rows = cat([packing.table_rows(t, spec.dim, spec.dtype) for t in tables])
+    return packing.table_stored(_take(rows, idx), spec.dim, spec.dtype, rps), {
       k: slots[k].as_stored(
         _take(cat([slots[k].as_rows(s[k], spec.dim) for s in member_slots]), idx), spec.dim, rps
       )

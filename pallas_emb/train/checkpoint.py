@@ -9,7 +9,9 @@ gradient of the async pipeline and the started lookup of the next batch
   it would have alone (whether or not it is stacked with others, see
   `pallas_emb.stacking`), with its own step, together with that layout, and
   restored through `RowLayout.reshard` when the shard count changed: a
-  checkpoint restores with stacking on or off and under any grouping;
+  checkpoint restores with stacking on or off and under any grouping; rows
+  narrower than 128 lanes are saved packed as that layout's shards pack
+  them (`pallas_emb.packing`) and repacked for the new layout on restore;
 * the pending update and the lookup's embeddings are saved per logical
   table and feature, in batch order; routing plans are not saved.
 
@@ -36,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_emb import packing
 from pallas_emb import state as state_lib
 from pallas_emb.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from pallas_emb.inputs import token_shape
@@ -266,7 +269,10 @@ class Checkpointer:
       spec = tr.emb.logical_spec(name)
       specs = spec.optimizer.slot_specs()
       tables[name] = {
-        "table": np.zeros((old.num_physical_rows,) + ts.table.shape[1:], ts.table.dtype),
+        "table": np.zeros(
+          packing.table_shape(old.num_physical_rows, spec.dim, spec.dtype, old.rows_per_shard),
+          ts.table.dtype,
+        ),
         "slots": {
           k: np.zeros(
             specs[k].shape_for(old.num_physical_rows, spec.dim, old.rows_per_shard), v.dtype
@@ -299,9 +305,10 @@ class Checkpointer:
       return TableState(d["table"], dict(d["slots"]), d["step"])
     emb = self.trainer.emb
     new = emb.logical_layout(name)
-    slots = state_lib.reshard_slots(emb.logical_spec(name), old, new, d["slots"])
+    spec = emb.logical_spec(name)
+    slots = state_lib.reshard_slots(spec, old, new, d["slots"])
     return TableState(
-      jax.device_put(old.reshard(np.asarray(d["table"]), new), emb.sharding()),
+      jax.device_put(state_lib.reshard_table(spec, old, new, d["table"]), emb.sharding()),
       {k: jax.device_put(v, emb.sharding()) for k, v in slots.items()},
       jax.device_put(jnp.asarray(d["step"], jnp.int32), emb.sharding(rows=False)),
     )

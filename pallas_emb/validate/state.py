@@ -133,7 +133,9 @@ def check_state(
       f"table {name!r} (or a slot) was donated to an earlier update and "
       "its buffer is gone; pass the state that update returned."
     )
-  expected = (layout.num_physical_rows, packing.storage_width(spec.dim, spec.dtype))
+  expected = packing.table_shape(
+    layout.num_physical_rows, spec.dim, spec.dtype, layout.rows_per_shard
+  )
   stored = packing.storage_dtype(spec.dtype)
   if tuple(table.shape) != expected or np.dtype(table.dtype) != stored:
     raise InputError(

@@ -1,0 +1,271 @@
+"""Rows narrower than 128 lanes stored packed (pallas_emb.packing): the stored
+shapes, the XLA path against the logical (unpacked) update, the Pallas kernels
+in TPU interpret mode bit for bit against the XLA path (several chunks and
+windows, runs of ids in one physical row within and across chunks), no races,
+lowering for TPU, and host conversions across layouts that pack differently."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tpu_lowering
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
+from jax.experimental.pallas import tpu as pltpu
+
+import pallas_emb as pe
+from pallas_emb import kernels, packing
+from pallas_emb import state as state_lib
+from pallas_emb.kernels import xla
+from pallas_emb.kernels.pallas_gather import gather
+from pallas_emb.kernels.pallas_update import fused_update
+from sharding.layout import RowLayout
+
+INTERPRET = pltpu.InterpretParams()
+RACES = pltpu.InterpretParams(detect_races=True, vector_clock_size=8)
+
+# Every optimizer that runs in the kernels.
+OPTIMIZERS = [
+  pe.SGD(0.5),
+  pe.Adagrad(0.25),
+  pe.RowWiseAdagrad(0.1, half_life_steps=3, lazy_decay=True, weight_decay=0.01),
+  pe.LazyAdam(0.05),
+  pe.FTRL(0.1, learning_rate_power=-0.6, l1=0.5, l2=0.02, beta=0.1),
+]
+OPT_IDS = [type(o).__name__ for o in OPTIMIZERS]
+NUM_ROWS, CHUNK, WINDOW, STEP = 256, 16, 32, 7
+
+
+def _state(opt, dtype, dim, rng, num_rows=NUM_ROWS):
+  """A packed stored table and random packed slots (NumPy)."""
+  rows = packing.to_storage(rng.normal(size=(num_rows, dim)), dtype)
+  table = packing.table_stored(rows, dim, dtype)
+  slots = {}
+  for name, s in opt.slot_specs().items():
+    shape = s.shape_for(num_rows, dim)
+    if np.dtype(s.dtype) == np.int32:
+      slots[name] = rng.integers(0, STEP, shape).astype(np.int32)
+    else:
+      slots[name] = rng.uniform(0.05, 2.0, shape).astype(np.float32)
+  return table, slots
+
+
+def _dense_rows(rng):
+  """48 ascending distinct ids among the first 96 rows, then 5 padding ids:
+  runs of ids in one physical row inside chunks, across chunk boundaries
+  and across kernel calls (windows of 32 ids)."""
+  rows = np.sort(rng.choice(96, 48, replace=False)).astype(np.int32)
+  return np.concatenate([rows, np.full(5, -1, np.int32)])
+
+
+def _bits(x):
+  x = np.asarray(x)
+  return x.view(np.dtype(f"u{x.dtype.itemsize}"))
+
+
+def _assert_same(got, want, msg=""):
+  got, want = np.asarray(got), np.asarray(want)
+  assert got.shape == want.shape and got.dtype == want.dtype, msg
+  np.testing.assert_array_equal(_bits(got), _bits(want), err_msg=msg)
+
+
+def _update(impl, opt, dtype, *args):
+  if impl == "xla":
+    fn = lambda *a: xla.fused_update(*a, optimizer=opt, dtype=dtype)
+  else:
+    fn = lambda *a: fused_update(
+      *a, optimizer=opt, dtype=dtype, interpret=INTERPRET, chunk_rows=CHUNK, window_rows=WINDOW
+    )
+  return jax.jit(fn)(*args)
+
+
+def test_stored_shapes_pack_widths_that_divide_128():
+  assert packing.table_shape(256, 16, jnp.float32) == (32, 128)
+  assert packing.table_shape(256, 64, jnp.bfloat16) == (64, 128)  # 32 words a row
+  assert packing.table_shape(256, 128, jnp.float32) == (256, 128)
+  assert packing.table_shape(256, 48, jnp.float32) == (256, 48)  # 48 does not divide 128
+  # Shards of 8 rows cannot hold whole physical rows of 16 rows of width 8.
+  assert packing.table_shape(64, 8, jnp.float32, rows_per_shard=8) == (64, 8)
+  assert packing.table_shape(64, 8, jnp.float32, rows_per_shard=16) == (4, 128)
+  m = pe.LazyAdam().slot_specs()
+  assert m["m"].shape_for(256, 32) == (64, 128) and m["count"].shape_for(256, 32) == (2, 128)
+  # Packing is the row-major reshape: logical row r at [r // k, (r % k) * w].
+  x = np.arange(64 * 16, dtype=np.float32).reshape(64, 16)
+  stored = packing.table_stored(x, 16, jnp.float32)
+  np.testing.assert_array_equal(stored[5 // 8, (5 % 8) * 16 : (5 % 8) * 16 + 16], x[5])
+  np.testing.assert_array_equal(packing.table_rows(stored, 16, jnp.float32), x)
+
+
+def test_take_and_put_rows_of_packed_arrays_touch_only_their_sub_rows():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(64, 16)).astype(np.float32)
+  stored = jnp.asarray(x.reshape(8, 128))
+  idx = jnp.asarray([3, 4, 63, 64], jnp.int32)  # 64: past the end
+  got = packing.take_rows(stored, idx, 16)
+  np.testing.assert_array_equal(got[:3], x[[3, 4, 63]])
+  np.testing.assert_array_equal(got[3], 0)
+  new = rng.normal(size=(4, 16)).astype(np.float32)
+  put = np.asarray(packing.put_rows(stored, idx, new, 16)).reshape(64, 16)
+  want = x.copy()
+  want[[3, 4, 63]] = new[:3]
+  np.testing.assert_array_equal(put, want)
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=OPT_IDS)
+def test_xla_path_on_packed_state_equals_the_logical_update(opt):
+  rng = np.random.default_rng(1)
+  dim, dtype = 16, jnp.float32
+  table, slots = _state(opt, dtype, dim, rng)
+  rows = _dense_rows(rng)
+  grads = rng.normal(size=(rows.size, dim)).astype(np.float32)
+  scalars = opt.scalars(jnp.int32(STEP))
+  packed = _update("xla", opt, dtype, table, slots, rows, grads, scalars, True)
+  specs = opt.slot_specs()
+  unpacked_slots = {
+    k: v if specs[k].width == 1 else v.reshape(NUM_ROWS, -1) for k, v in slots.items()
+  }
+  plain = _update(
+    "xla", opt, dtype, table.reshape(NUM_ROWS, -1), unpacked_slots, rows, grads, scalars, True
+  )
+  _assert_same(np.asarray(packed[0]).reshape(NUM_ROWS, -1), plain[0], "table")
+  for k in slots:
+    _assert_same(np.asarray(packed[1][k]).reshape(plain[1][k].shape), plain[1][k], k)
+
+
+def _kernel_case(opt, dtype, dim, seed=2):
+  rng = np.random.default_rng(seed)
+  table, slots = _state(opt, dtype, dim, rng)
+  rows = _dense_rows(rng)
+  grads = rng.normal(size=(rows.size, dim)).astype(np.float32)
+  args = (table, slots, rows, grads, opt.scalars(jnp.int32(STEP)), True)
+  want = _update("xla", opt, dtype, *args)
+  got = _update("pallas", opt, dtype, *args)
+  _assert_same(got[0], want[0], "table")
+  assert not np.array_equal(_bits(got[0]), _bits(table))
+  for k in slots:
+    _assert_same(got[1][k], want[1][k], f"slot {k}")
+  r = jnp.asarray(rows)
+  _assert_same(
+    gather(
+      got[0], r, dtype=dtype, dim=dim, interpret=INTERPRET, chunk_rows=CHUNK, window_rows=WINDOW
+    ),
+    xla.gather(want[0], r, dtype=dtype, dim=dim),
+    "gather",
+  )
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=OPT_IDS)
+def test_packed_kernels_equal_xla_d16(opt):
+  _kernel_case(opt, jnp.float32, 16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dim", [32, 64])
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=OPT_IDS)
+def test_packed_kernels_equal_xla_d32_d64(opt, dim):
+  _kernel_case(opt, jnp.float32, dim)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dim", [8, 32])
+@pytest.mark.parametrize("opt", OPTIMIZERS[2:4], ids=OPT_IDS[2:4])
+def test_packed_kernels_equal_xla_bf16_and_d8(opt, dim):
+  # bf16 rows of 32 (16 words, 8 to a physical row) beside f32 slots (4 to
+  # a physical row): each array has its own shift; f32 rows of 8: 16 to a row.
+  _kernel_case(opt, jnp.bfloat16, dim)
+  _kernel_case(opt, jnp.float32, 8, seed=3)
+
+
+def _races_found(fn) -> bool:
+  pltpu.reset_tpu_interpret_mode_state()
+  jax.block_until_ready(fn())
+  return tpu_interpreter.races.races_found
+
+
+def test_race_detector_finds_no_race_in_runs_of_a_physical_row():
+  # Each run of ids in one physical row writes it once (its last id), so
+  # the write-backs of a chunk never overlap, nor a chunk's writes the next
+  # chunk's reads.
+  opt = pe.LazyAdam(0.05)
+  rng = np.random.default_rng(4)
+  table, slots = _state(opt, jnp.float32, 16, rng, num_rows=128)
+  # 32 consecutive ids from 36: 8 to a physical row, runs that cross each
+  # boundary of the 4 chunks of 8.
+  rows = np.arange(36, 68, dtype=np.int32)
+  grads = rng.normal(size=(rows.size, 16)).astype(np.float32)
+  found = _races_found(
+    lambda: fused_update(
+      table,
+      slots,
+      rows,
+      grads,
+      opt.scalars(jnp.int32(STEP)),
+      True,
+      optimizer=opt,
+      dtype=jnp.float32,
+      interpret=RACES,
+      chunk_rows=8,
+    )
+  )
+  assert not found
+
+
+def test_uses_kernel_on_tpu_for_packed_state_only():
+  opt = pe.LazyAdam()
+  table, slots = _state(opt, jnp.float32, 16, np.random.default_rng(5))
+  assert kernels.uses_kernel("pallas", table, slots, opt)
+  assert kernels.uses_kernel("pallas", table)
+  plain = {k: v.reshape(NUM_ROWS, -1) if k != "count" else v for k, v in slots.items()}
+  assert not kernels.uses_kernel("pallas", table.reshape(NUM_ROWS, 16), plain, opt)
+  assert not kernels.uses_kernel("pallas", table, plain, opt)
+
+
+@pytest.mark.parametrize("dim", [16, 64])
+@pytest.mark.parametrize("opt", OPTIMIZERS[2:4], ids=OPT_IDS[2:4])
+def test_packed_kernels_lower_for_tpu(opt, dim):
+  sds = jax.ShapeDtypeStruct
+  dtype = jnp.float32
+  table = sds(packing.table_shape(1024, dim, dtype), jnp.float32)
+  slots = {k: sds(s.shape_for(1024, dim), s.dtype) for k, s in opt.slot_specs().items()}
+  scalars = jax.tree.map(lambda _: sds((), jnp.float32), opt.scalars(jnp.int32(0)))
+  args = (table, slots, sds((200,), jnp.int32), sds((200, dim), jnp.float32), scalars)
+  exported = tpu_lowering.export_for_tpu(
+    lambda t, s, r, g, sc: fused_update(t, s, r, g, sc, True, optimizer=opt, dtype=dtype),
+    *args,
+    device_kind="TPU v5 lite",
+  )
+  [call] = tpu_lowering.mosaic_calls(exported)
+  assert call.count("output_operand_alias<") == 1 + len(opt.slot_specs())
+  exported = tpu_lowering.export_for_tpu(
+    lambda t, r: gather(t, r, dtype=dtype, dim=dim),
+    table,
+    sds((200,), jnp.int32),
+    device_kind="TPU v5 lite",
+  )
+  [call] = tpu_lowering.mosaic_calls(exported)
+  assert exported.out_avals[0].shape == (200, dim)
+
+
+def test_host_state_moves_between_layouts_that_pack_differently():
+  # Rows of 8 floats pack 16 to a physical row: shards of 8 rows (8 shards)
+  # store them as rows, shards of 16 (4 shards) packed.
+  spec = pe.TableSpec("t", 64, 8, optimizer=pe.LazyAdam())
+  rng = np.random.default_rng(6)
+  logical = rng.normal(size=(64, 8)).astype(np.float32)
+  m = rng.normal(size=(64, 8)).astype(np.float32)
+  plain, packed = RowLayout(64, 8), RowLayout(64, 4)
+  assert plain.rows_per_shard == 8 and packed.rows_per_shard == 16
+  specs = spec.optimizer.slot_specs()
+  stored = packing.table_stored(plain.to_physical(logical), 8, jnp.float32, 8)
+  assert stored.shape == (64, 8)
+  moved = state_lib.reshard_table(spec, plain, packed, stored)
+  assert moved.shape == (4, 128)
+  back = state_lib.reshard_table(spec, packed, plain, moved)
+  _assert_same(back, stored)
+  np.testing.assert_array_equal(
+    packed.to_logical(packing.table_rows(moved, 8, jnp.float32)), logical
+  )
+  slots = {"m": specs["m"].as_stored(plain.to_physical(m), 8, 8)}
+  slots["v"], slots["count"] = slots["m"], np.zeros((64, 1), np.int32)
+  moved = state_lib.reshard_slots(spec, plain, packed, slots)
+  assert moved["m"].shape == (4, 128)
+  np.testing.assert_array_equal(packed.to_logical(specs["m"].as_rows(moved["m"], 8)), m)
