@@ -31,7 +31,10 @@ def _env(lang: str) -> dict[str, str]:
 def test_readme_has_the_two_commands():
   markers = {marker: code for marker, _, code in BLOCKS if marker}
   assert markers["main"].strip() == "pip install . && python -m pallas_emb"
-  assert markers["test"].strip() == 'pip install ".[test]" && python -m pytest -q --durations=15'
+  assert markers["test"].strip() == (
+    'pip install ".[test]" && python -m pytest -q -n auto --maxprocesses=4 --dist=loadfile '
+    "--durations=15"
+  )
 
 
 @pytest.mark.slow
