@@ -110,12 +110,11 @@ def available_memory() -> int | None:
   None where /proc/meminfo is not there."""
   try:
     with open("/proc/meminfo") as f:
-      for line in f:
-        if line.startswith("MemAvailable:"):
-          return int(line.split()[1]) * 1024
+      lines = f.readlines()
   except OSError:
-    pass
-  return None
+    return None
+  found = [int(l.split()[1]) * 1024 for l in lines if l.startswith("MemAvailable:")]
+  return found[0] if found else None
 
 
 def machine_info(bandwidth: float, malloc_tuned: bool) -> dict:

@@ -102,11 +102,14 @@ class Dense:
     self.ids, self.grads = jax.device_put(ids), grads
 
     def step(table, acc, ids, g):
-      _, vjp = jax.vjp(lambda t: t[ids], table)
+      # The table and accumulator as (rows, D) and (rows, 1), whatever their
+      # stored (packed) shapes: float32 packing is the row-major reshape.
+      rows = table.reshape(-1, g.shape[-1])
+      _, vjp = jax.vjp(lambda t: t[ids], rows)
       (dense_grad,) = vjp(g)
-      # The accumulator as (rows, 1), whatever its stored shape.
-      rows = acc.reshape(-1, 1) + jnp.mean(dense_grad * dense_grad, axis=1, keepdims=True)
-      return (table - LEARNING_RATE * dense_grad / (jnp.sqrt(rows) + EPS), rows.reshape(acc.shape))
+      acc_rows = acc.reshape(-1, 1) + jnp.mean(dense_grad * dense_grad, axis=1, keepdims=True)
+      new = rows - LEARNING_RATE * dense_grad / (jnp.sqrt(acc_rows) + EPS)
+      return new.reshape(table.shape), acc_rows.reshape(acc.shape)
 
     self._step = jax.jit(step, donate_argnums=(0, 1))
 

@@ -118,11 +118,13 @@ def xla_stages(
 
   @jax.jit
   def gather(table, slots, r):
-    idx = jnp.where(r >= 0, r, table.shape[0])
-    take = lambda x: jnp.take(x, idx, axis=0, mode="fill", fill_value=0)
-    specs = opt.slot_specs()  # per-row scalars are stored lane-dense
-    return packing.unpack_rows(take(table), spec.dtype), {
-      k: take(specs[k].as_rows(v, spec.dim)) for k, v in slots.items()
+    # Narrow rows and per-row scalars are stored packed: read sub-rows; an
+    # index past every array's end reads zeros.
+    idx = jnp.where(r >= 0, r, jnp.int32(2**30))
+    width = packing.storage_width(spec.dim, spec.dtype)
+    specs = opt.slot_specs()
+    return packing.unpack_rows(packing.take_rows(table, idx, width), spec.dtype), {
+      k: packing.take_rows(v, idx, specs[k].width_for(spec.dim)) for k, v in slots.items()
     }
 
   math = jax.jit(lambda r, s, g, st: opt.update_rows(r, s, g, opt.scalars(st)))
