@@ -72,8 +72,8 @@ class PeakRss:
 
 
 class OthersCpu:
-  """The share of all cores that other processes used between `start()` and
-  `share()`: (busy CPU seconds of the machine - this process's and its
+  """The share of all cores that other processes used between this object's
+  construction and `share()`: (busy CPU seconds of the machine - this process's and its
   children's) / (elapsed seconds x cores), in [0, 1]; None where there is no
   /proc/stat."""
 
