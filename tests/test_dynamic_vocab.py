@@ -216,3 +216,37 @@ def test_dynamic_tables_are_not_replicated_or_stacked():
     pe.ShardedEmbedding(specs, feats, make_mesh(2), stacking={"g": ["a", "b"]})
   with pytest.raises(InputError, match="do not read a dynamic table"):
     emb.admit(emb.init(jax.random.key(0)), emb.init_vocabularies(jax.random.key(0)), {"fb": [1]})
+
+
+def test_checkpoint_round_trip_and_resume_equal_an_uninterrupted_run(tmp_path):
+  from pallas_emb.train.checkpoint_vocab import VocabCheckpointer
+
+  vocab = DynamicVocabulary(policy="lfu", admit_after=2, probe_limit=2, evict_every=2, ttl=3)
+  emb = _emb(2, vocab, num_rows=24)
+  rng = np.random.default_rng(0)
+  batches = [rng.integers(0, 50, (B, L)).astype(np.int64) for _ in range(8)]
+  init = lambda: (emb.init(jax.random.key(0)), emb.init_vocabularies(jax.random.key(1)))
+  host = lambda tree: jax.tree.map(np.asarray, tree)
+
+  tables, vocabs = init()
+  ckpt = VocabCheckpointer(str(tmp_path / "ckpt"), emb)
+  for i, raw in enumerate(batches):
+    if i == 4:
+      ckpt.save(i, tables, vocabs, extra={"position": i})
+      saved = host((tables, vocabs))
+    _, tables, vocabs, _ = _train(emb, tables, vocabs, raw)
+  want = host((tables, vocabs))
+
+  tables, vocabs = init()
+  tables, vocabs, extra = VocabCheckpointer(str(tmp_path / "ckpt"), emb).restore(tables, vocabs)
+  assert extra == {"position": 4}
+  jax.tree.map(np.testing.assert_array_equal, host((tables, vocabs)), saved)
+  for raw in batches[4:]:
+    _, tables, vocabs, _ = _train(emb, tables, vocabs, raw)
+  jax.tree.map(np.testing.assert_array_equal, host((tables, vocabs)), want)
+
+  with pytest.raises(pe.CheckpointMismatchError, match="do not reshard"):
+    other = _emb(4, vocab, num_rows=24)
+    VocabCheckpointer(str(tmp_path / "ckpt"), other).restore(
+      other.init(jax.random.key(0)), other.init_vocabularies(jax.random.key(1))
+    )
