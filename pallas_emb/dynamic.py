@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_emb import packing, programs
 from pallas_emb.errors import InputError, SpecError
+from pallas_emb.inputs import ids_of, with_ids
 from pallas_emb.sharded_table import ShardedTable
 from pallas_emb.state import TableState, to_host
 from pallas_emb.vocabulary import DynamicVocabulary, raw_ids, vocab_keys
@@ -171,13 +172,12 @@ def read(t: ShardedTable, vs: VocabState, words: tuple[jax.Array, ...]):
 
 
 def as_words(feature: str, x: Any, vocabulary: DynamicVocabulary, num_shards: int):
-  """A feature's ids as (B, L, 2) uint32 key words: raw NumPy ids (or
-  strings) are converted on the host (`vocabulary.vocab_keys`, padding -1);
-  uint32 (B, L, 2) arrays are taken as words already."""
-  if isinstance(x, jax.Array) or (
-    isinstance(x, np.ndarray) and x.dtype == np.uint32 and x.ndim == 3 and x.shape[-1] == 2
-  ):
-    if x.dtype != jnp.uint32 or x.ndim != 3 or x.shape[-1] != 2:
+  """A feature's ids as (..., 2) uint32 key words: raw NumPy ids (or
+  strings) are converted on the host (`vocab_keys`, padding -1); uint32
+  (..., 2) arrays are taken as words already. Ids are (B, L) or, of a
+  `Ragged` input, (S * C,); the first dimension is split over the shards."""
+  if isinstance(x, jax.Array) or (isinstance(x, np.ndarray) and x.dtype == np.uint32):
+    if x.dtype != jnp.uint32 or x.ndim not in (2, 3) or x.shape[-1] != 2:
       raise InputError(
         f"feature {feature!r}: device ids of a dynamic table must be (B, L, 2) uint32 key "
         f"words, got {x.dtype}{tuple(x.shape)}; convert raw ids with pe.vocab_keys."
@@ -185,10 +185,11 @@ def as_words(feature: str, x: Any, vocabulary: DynamicVocabulary, num_shards: in
     words = x
   else:
     raw = np.asarray(x)
-    if raw.ndim == 1:
-      raw = raw[:, None]
-    if raw.ndim != 2:
-      raise InputError(f"feature {feature!r}: raw ids must be (B, L), got shape {raw.shape}.")
+    if raw.ndim not in (1, 2):
+      raise InputError(
+        f"feature {feature!r}: raw ids must be (B, L) (or a Ragged input's (S * C,)), "
+        f"got shape {raw.shape}."
+      )
     words = vocab_keys(raw, vocabulary)
   if words.shape[0] % num_shards:
     raise InputError(
@@ -258,7 +259,9 @@ class DynamicTables:
           f"{given} were given; pass the ids of every feature of the table."
         )
       vocab = self.table_spec(name).vocabulary
-      out[name] = tuple(as_words(f.name, ids[f.name], vocab, self.num_shards) for f in feats)
+      out[name] = tuple(
+        as_words(f.name, ids_of(ids[f.name]), vocab, self.num_shards) for f in feats
+      )
     unknown = set(ids) - {f.name for n in out for f in self.features_of(n)}
     if unknown:
       raise InputError(
@@ -277,13 +280,14 @@ class DynamicTables:
         a new id are reset in them).
       vocabs: name -> `VocabState` (donated).
       ids: feature -> (B, L) raw ids (NumPy int64 or strings, -1 padding)
-        or (B, L, 2) uint32 key words, for every feature of the dynamic
-        tables stepped.
+        or (B, L, 2) uint32 key words (`pe.vocab_keys`), or a `Weighted` or
+        `Ragged` input of them, for every feature of the dynamic tables
+        stepped.
 
     Returns:
-      (rows, tables, vocabs, metrics): feature -> (B, L) int32 logical rows
-      for `lookup` (-1 padding, -2 no row); the new states; table ->
-      `VocabMetrics`.
+      (rows, tables, vocabs, metrics): feature -> the same input form with
+      int32 logical rows for ids, for `lookup` (-1 padding, -2 no row: an
+      invalid id there); the new states; table -> `VocabMetrics`.
     """
     words = self._words(ids)
     self.check_tables(tables, words)
@@ -291,7 +295,7 @@ class DynamicTables:
     for name, w in words.items():
       t = self._dynamic(name, self._tokens(w))
       r, tables[name], vocabs[name], metrics[name] = admit(t, tables[name], vocabs[name], w)
-      rows.update(zip((f.name for f in t.features), r))
+      rows.update({f.name: with_ids(ids[f.name], x) for f, x in zip(t.features, r)})
     return rows, tables, vocabs, metrics
 
   def read_rows(self, vocabs, ids: Mapping[str, Any]):
@@ -301,7 +305,7 @@ class DynamicTables:
     for name, w in self._words(ids).items():
       t = self._dynamic(name, self._tokens(w))
       r, metrics[name] = read(t, vocabs[name], w)
-      rows.update(zip((f.name for f in t.features), r))
+      rows.update({f.name: with_ids(ids[f.name], x) for f, x in zip(t.features, r)})
     return rows, metrics
 
   def resident_ids(self, vocabs, name: str) -> np.ndarray:

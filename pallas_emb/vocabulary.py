@@ -64,7 +64,8 @@ class DynamicVocabulary:
       `ttl` steps or more (the longest idle first).
     probe_limit: slots probed from an id's home slot, 1 <= P <= 64.
     evict_on_insert: when an admitted id finds no free slot in its window,
-      it takes the policy's victim there (never an id used in this step).
+      it takes the policy's victim there (never an id used in this step or
+      the previous one, whose update the async pipeline applies late).
       Otherwise the insert fails (counted).
     evict_every: None, or every this many steps a sweep runs before the
       step: "lfu" counts are multiplied by `decay`, and ids idle for `ttl`
@@ -109,6 +110,11 @@ class DynamicVocabulary:
       raise SpecError(f"{owner}: decay must be a float in (0, 1], got {self.decay!r}.")
     if not 0 < self.decay <= 1:
       raise SpecError(f"{owner}: decay must be in (0, 1], got {self.decay}; 1 turns decay off.")
+    if self.ttl is not None and self.ttl < 2:
+      raise SpecError(
+        f"{owner}: ttl={self.ttl} would evict ids used in the previous step, whose update "
+        "the async pipeline applies one step late; use ttl >= 2."
+      )
     if self.policy == "ttl" and self.ttl is None:
       raise SpecError(
         f"{owner}: policy 'ttl' needs ttl (the idle steps after which an id may be evicted), "

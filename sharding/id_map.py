@@ -24,7 +24,9 @@ One step (`translate`), on every device:
    `admit_after` are inserted: in round r = 0..P-1 each one still waiting
    claims slot home + r if it is free, the lowest rank winning a slot
    claimed twice; those left take the policy's victim in their window
-   (one round, lowest rank first; keys used this step are never victims;
+   (one round, lowest rank first; keys used in this step or the previous
+   one are never victims: the async pipeline applies a step's update one
+   step late, and it must not land on a row given to another id;
    under "lfu" only a victim whose count is at most the newcomer's count,
    its occurrences this step or its sketch estimate: TinyLFU's rule, so a
    one-off does not push out a frequent id), and the rest fail. A new key
@@ -162,7 +164,7 @@ def _victims(m: IdMap, pos, step, *, policy: str, ttl):
   """(has, p) the policy's victim in each window: the position of the
   least count (lfu) / least recent step, ties to the earlier one."""
   last = m.last[pos]
-  ok = (last >= 0) & (last != step)
+  ok = (last >= 0) & (last < step - 1)
   if policy == "ttl":
     ok &= step - last >= ttl
   tie = ok

@@ -194,6 +194,7 @@ def test_keys_round_trip_and_padding():
     (dict(policy="fifo"), "policy"),
     (dict(probe_limit=65), "probe_limit=65"),
     (dict(policy="ttl"), "needs ttl"),
+    (dict(policy="ttl", ttl=1), "ttl >= 2"),
     (dict(decay=0.0), "decay"),
     (dict(evict_on_insert=False), "nothing is ever evicted"),
     (dict(sketch_width=0), "sketch_width"),
@@ -250,3 +251,36 @@ def test_checkpoint_round_trip_and_resume_equal_an_uninterrupted_run(tmp_path):
     VocabCheckpointer(str(tmp_path / "ckpt"), other).restore(
       other.init(jax.random.key(0)), other.init_vocabularies(jax.random.key(1))
     )
+
+
+def test_weighted_and_ragged_inputs_take_rows_like_padded_ids():
+  vocab = DynamicVocabulary(probe_limit=4)
+  emb = _emb(2, vocab, num_rows=64)
+  tables, vocabs = emb.init(jax.random.key(0)), emb.init_vocabularies(jax.random.key(1))
+  raw = np.array([[10, 11], [12, -1], [10, 13], [14, 15]], np.int64) * 2**33
+  rows, tables, vocabs, _ = emb.admit(tables, vocabs, {"f": raw})
+  want = emb.lookup(tables, rows)[0]["f"]
+  weighted, _ = emb.read_rows(vocabs, {"f": pe.Weighted(raw, np.ones(raw.shape, np.float32))})
+  assert isinstance(weighted["f"], pe.Weighted)
+  np.testing.assert_array_equal(weighted["f"].ids, rows["f"])
+  np.testing.assert_array_equal(emb.lookup(tables, weighted)[0]["f"], want)
+  bags = [[x for x in r if x != -1] for r in raw.tolist()]
+  ragged, _ = emb.read_rows(vocabs, {"f": pe.ragged(bags, num_shards=2, capacity=4)})
+  assert isinstance(ragged["f"], pe.Ragged)
+  np.testing.assert_array_equal(emb.lookup(tables, ragged)[0]["f"], want)
+
+
+def test_async_victims_are_not_the_previous_steps_ids():
+  """An id used at step t - 1 keeps its row at step t (its update may
+  still be pending), however full its window."""
+  vocab = DynamicVocabulary(policy="lru", probe_limit=1)
+  emb = _emb(1, vocab, num_rows=8)
+  tables, vocabs = emb.init(jax.random.key(0)), emb.init_vocabularies(jax.random.key(1))
+  first = np.arange(B * L, dtype=np.int64).reshape(B, L) + 2**35
+  rows0, tables, vocabs, _ = emb.admit(tables, vocabs, {"f": first})
+  held = dict(zip(*emb.resident_rows(vocabs, "t")))
+  _, tables, vocabs, vm = emb.admit(tables, vocabs, {"f": first + 10**9})
+  assert int(vm["t"].evictions) == 0 and int(vm["t"].failed) > 0
+  assert dict(zip(*emb.resident_rows(vocabs, "t"))) == held
+  _, tables, vocabs, vm = emb.admit(tables, vocabs, {"f": first + 10**9})
+  assert int(vm["t"].evictions) > 0  # now two steps old: evictable

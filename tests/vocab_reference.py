@@ -51,7 +51,7 @@ class ReferenceVocab:
     best = None
     for p, j in enumerate(self._window(k)):
       last = self.last[s][j]
-      if last < 0 or last == self.step:
+      if last < 0 or last >= self.step - 1:
         continue
       if self.v.policy == "ttl" and self.step - last < self.v.ttl:
         continue
