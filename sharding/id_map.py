@@ -153,11 +153,18 @@ def _dedup(hi, lo, owned):
   return u_hi, u_lo, u_count, u_valid, token_uid
 
 
-def _claim(slot, want, rank, capacity):
-  """Which of the keys that `want` a `slot` win it (lowest rank per slot)."""
-  at = jnp.where(want, slot, capacity)
-  best = jnp.full((capacity,), np.iinfo(np.int32).max, jnp.int32).at[at].min(rank, mode="drop")
-  return want & (best[jnp.minimum(slot, capacity - 1)] == rank)
+def _claim(slot, want, rank, claims):
+  """(win, claims): which keys that `want` a `slot` win it (the lowest rank
+  per slot), and `claims` with their ranks recorded.
+
+  `claims` (capacity,) int32 is made once per step: a claimed slot is taken
+  by its winner at once, and a taken slot is never claimed again in the
+  step (probes claim free slots; victims are slots not used this step), so
+  no round needs a fresh capacity-sized array.
+  """
+  capacity = claims.shape[0]
+  claims = claims.at[jnp.where(want, slot, capacity)].min(rank, mode="drop")
+  return want & (claims[jnp.minimum(slot, capacity - 1)] == rank), claims
 
 
 def _victims(m: IdMap, pos, step, *, policy: str, ttl):
@@ -270,9 +277,10 @@ def translate(
       admitted, estimate = waiting, u_cnt
     not_admitted = jnp.sum(waiting & ~admitted, dtype=jnp.int32)
     left = admitted
+    claims = jnp.full((capacity,), np.iinfo(np.int32).max, jnp.int32)
     for r in range(probe_limit):
       s = pos[:, r]
-      win = _claim(s, left & (m.last[s] < 0) & usable[s], rank, capacity)
+      win, claims = _claim(s, left & (m.last[s] < 0) & usable[s], rank, claims)
       m = _take(m, s, win, u_hi, u_lo, u_cnt, step, capacity)
       slot = jnp.where(win, s, slot)
       left &= ~win
@@ -281,7 +289,7 @@ def translate(
       s = jnp.take_along_axis(pos, p[:, None], axis=1)[:, 0]
       if policy == "lfu":  # a one-off never pushes out a more frequent id
         has &= m.count[s] <= estimate.astype(jnp.float32)
-      win = _claim(s, left & has, rank, capacity)
+      win, _ = _claim(s, left & has, rank, claims)
       m = _take(m, s, win, u_hi, u_lo, u_cnt, step, capacity)
       slot = jnp.where(win, s, slot)
       left &= ~win
