@@ -284,3 +284,14 @@ def test_async_victims_are_not_the_previous_steps_ids():
   assert dict(zip(*emb.resident_rows(vocabs, "t"))) == held
   _, tables, vocabs, vm = emb.admit(tables, vocabs, {"f": first + 10**9})
   assert int(vm["t"].evictions) > 0  # now two steps old: evictable
+
+
+def test_drift_benchmark_compares_three_tables_in_one_run():
+  from pallas_emb.bench import drift
+
+  out = drift.run(rows=256, steps=40, batch=128, dim=8)
+  assert set(out["methods"]) == {"dynamic", "hashed", "oracle"}
+  assert out["distinct_ids"] > 5 * 256 and out["final_occupancy"] <= 256
+  auc = {n: m["auc"] for n, m in out["methods"].items()}
+  assert auc["oracle"] > auc["hashed"] and auc["dynamic"] > auc["hashed"], auc
+  assert all(m["step_ms_median"] > 0 for m in out["methods"].values())
