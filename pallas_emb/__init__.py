@@ -72,6 +72,8 @@ _EXPORTS = {
   ),
   **dict.fromkeys(["expected_collision_fraction", "hash64", "hash_ids"], "pallas_emb.hashing"),
   "int32_ids": "pallas_emb.ids",
+  **dict.fromkeys(["DynamicVocabulary", "vocab_keys", "raw_ids"], "pallas_emb.vocabulary"),
+  **dict.fromkeys(["VocabMetrics", "VocabState"], "pallas_emb.dynamic"),
   **dict.fromkeys(["Ragged", "Weighted", "ragged", "ragged_from_csr"], "pallas_emb.inputs"),
   **dict.fromkeys(["FeatureSpec", "TableSpec", "default_initializer"], "pallas_emb.spec"),
   **dict.fromkeys(
@@ -112,6 +114,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
     supports_async_emb,
   )
   from pallas_emb.capacity import Capacities
+  from pallas_emb.dynamic import VocabMetrics, VocabState
   from pallas_emb.embedding import ShardedEmbedding
   from pallas_emb.errors import (
     AsyncEmbStateError,
@@ -147,3 +150,4 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
   from pallas_emb.spec import FeatureSpec, TableSpec, default_initializer
   from pallas_emb.state import TableMetrics, TableResiduals, TableState
   from pallas_emb.train import TrainConfig, Trainer, TrainState, make_trainer, validate_config
+  from pallas_emb.vocabulary import DynamicVocabulary, raw_ids, vocab_keys

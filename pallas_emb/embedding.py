@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 from pallas_emb import kernels, pooling, programs, validate
 from pallas_emb import state as state_lib
 from pallas_emb.capacity import Capacities
+from pallas_emb.dynamic import DynamicTables
 from pallas_emb.errors import InputError
 from pallas_emb.ids import int32_ids
 from pallas_emb.sharded_table import ShardedTable
@@ -42,7 +43,7 @@ from sharding.layout import RowLayout
 
 
 @dataclasses.dataclass(frozen=True)
-class ShardedEmbedding:
+class ShardedEmbedding(DynamicTables):
   """Tables row-sharded over one mesh axis, and the features that read them.
 
   Attributes:

@@ -17,6 +17,7 @@ from pallas_emb import packing
 from pallas_emb.errors import SpecError, check_int
 from pallas_emb.optimizers.base import EmbeddingOptimizer
 from pallas_emb.optimizers.sgd import SGD
+from pallas_emb.vocabulary import DynamicVocabulary
 
 Combiner = Literal["sum", "mean", "sqrtn"] | None
 COMBINERS = ("sum", "mean", "sqrtn", None)
@@ -82,6 +83,7 @@ class TableSpec:
   route_capacity: int | None = None
   max_grad_norm: float | None = None
   placement: Literal["auto", "sharded", "replicated"] = "auto"
+  vocabulary: DynamicVocabulary | None = None
 
   def __post_init__(self):
     owner = f"TableSpec({self.name!r})"
@@ -129,6 +131,17 @@ class TableSpec:
         fix="None is the default (see TableSpec).",
       )
     check_max_norm(self.max_grad_norm, f"{owner}: max_grad_norm")
+    if self.vocabulary is not None:
+      if not isinstance(self.vocabulary, DynamicVocabulary):
+        raise SpecError(
+          f"{owner}: vocabulary must be None or a DynamicVocabulary, got {self.vocabulary!r}."
+        )
+      if self.placement == "replicated":
+        raise SpecError(
+          f"{owner}: a dynamic vocabulary's id maps are row-sharded, so the table cannot be "
+          "placement='replicated'; use placement='sharded' (or 'auto', which never "
+          "replicates a dynamic table)."
+        )
 
 
 def check_max_norm(value, name: str) -> None:

@@ -33,6 +33,9 @@ SPARSE = (
     "pallas_emb.replicated_ops",
     "pallas_emb.sharded_table",
     "pallas_emb.norms",
+    "pallas_emb.dynamic",
+    "pallas_emb.vocabulary",
+    "pallas_emb.hashing",
   )
 )
 ALLOWED = {
@@ -42,6 +45,12 @@ ALLOWED = {
   "pallas_emb.inputs": INPUTS,
   "pallas_emb.ids": INPUTS + ("pallas_emb.ids",),
   "pallas_emb.hashing": ("pallas_emb", "pallas_emb.errors", "pallas_emb.hashing"),
+  "pallas_emb.vocabulary": (
+    "pallas_emb",
+    "pallas_emb.errors",
+    "pallas_emb.hashing",
+    "pallas_emb.vocabulary",
+  ),
   "pallas_emb.kernels": KERNELS,
   "pallas_emb.kernels.xla": KERNELS,
   "pallas_emb.optimizers": OPTIMIZERS,

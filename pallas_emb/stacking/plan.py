@@ -84,7 +84,9 @@ class Group:
 
 
 def stack_key(spec: TableSpec) -> tuple:
-  """What tables must share to be stacked."""
+  """What tables must share to be stacked (a dynamic table: nothing)."""
+  if spec.vocabulary is not None:
+    return ("dynamic", spec.name)
   return (spec.dim, spec.dtype, spec.optimizer, spec.initializer, spec.layout, spec.max_grad_norm)
 
 
@@ -152,7 +154,7 @@ def normalize(stacking) -> str | tuple[tuple[str, tuple[str, ...]], ...]:
 def is_replicated(spec: TableSpec, replicate_below: int) -> bool:
   """Whether `spec` is stored whole on every device."""
   if spec.placement == "auto":
-    return spec.num_rows < replicate_below
+    return spec.vocabulary is None and spec.num_rows < replicate_below
   return spec.placement == "replicated"
 
 
@@ -206,6 +208,12 @@ def plan_groups(
           f"stacking group name {group!r} is a table's name; name the group differently."
         )
       keys = {stack_key(tables[index[m]]) for m in members}
+      dynamic = [m for m in members if tables[index[m]].vocabulary is not None]
+      if len(members) > 1 and dynamic:
+        raise SpecError(
+          f"stacking group {group!r} has tables with a dynamic vocabulary {dynamic}; "
+          "their id maps are per table, so they are stored alone: leave them out of the group."
+        )
       if len(members) > 1 and replicated & set(members):
         raise SpecError(
           f"stacking group {group!r} has replicated tables "
