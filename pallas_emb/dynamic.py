@@ -97,7 +97,10 @@ def _reset(t: ShardedTable, table, slots, reset, key, step):
   )
   rows = jax.vmap(lambda k: spec.initializer(k, (spec.dim,), jnp.float32))(keys_)
   at = jnp.where(reset >= 0, reset, layout.rows_per_shard)
-  table = table.at[at].set(packing.pack_rows(rows.astype(jnp.float32), spec.dtype), mode="drop")
+  # The table may be stored packed (rows narrower than 128 lanes): write sub-rows.
+  width = packing.storage_width(spec.dim, spec.dtype)
+  new_rows = packing.pack_rows(rows.astype(jnp.float32), spec.dtype)
+  table = packing.put_rows(table, at, new_rows, width)
   specs = spec.optimizer.slot_specs()
   out = {}
   for name, x in slots.items():
