@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tpu_lowering
 from conftest import make_mesh
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
+from interpret_races import RACES, races_found
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -24,9 +24,6 @@ from pallas_emb.kernels.pallas_gather import vmem_footprint_bytes as gather_vmem
 from pallas_emb.kernels.pallas_update import fused_update, vmem_footprint_bytes
 
 INTERPRET = pltpu.InterpretParams()
-# The detector needs a vector clock entry per DMA in flight to see DMA-DMA
-# races, not just one per core (the default).
-RACES = pltpu.InterpretParams(detect_races=True, vector_clock_size=8)
 
 OPTIMIZERS = [
   pe.SGD(0.5),
@@ -308,15 +305,6 @@ def test_sharded_embedding_interpret_equals_xla(opt, dtype):
 # -- race detection --------------------------------------------------------------
 
 
-def _races_found(fn) -> bool:
-  # The detector's state is global to the interpreter and replaced at the
-  # start of each interpreted kernel; reset it so a failure elsewhere cannot
-  # leak into this reading.
-  pltpu.reset_tpu_interpret_mode_state()
-  jax.block_until_ready(fn())
-  return tpu_interpreter.races.races_found
-
-
 @pytest.mark.parametrize("duplicate", [False, True], ids=["distinct", "duplicate"])
 def test_race_detector_sees_duplicate_ids_and_nothing_else(duplicate):
   opt = pe.LazyAdam(0.05)  # three slots: four DMAs per row in flight
@@ -328,7 +316,7 @@ def test_race_detector_sees_duplicate_ids_and_nothing_else(duplicate):
   if duplicate:  # the same row twice in one chunk: two write-backs race
     rows[5] = rows[4]
   grads = rng.normal(size=(rows.size, DIM)).astype(np.float32)
-  found = _races_found(
+  found = races_found(
     lambda: fused_update(
       table,
       slots,
@@ -351,7 +339,7 @@ def test_gather_has_no_races_even_with_duplicate_ids():
   table, _ = _state(pe.SGD(), jnp.bfloat16, rng)
   rows = rng.permutation(NUM_ROWS)[: 2 * CHUNK].astype(np.int32)
   rows[5] = rows[4]
-  assert not _races_found(
+  assert not races_found(
     lambda: gather(table, rows, dtype=jnp.bfloat16, interpret=RACES, chunk_rows=CHUNK)
   )
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tpu_lowering
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
+from interpret_races import RACES, races_found
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_emb as pe
@@ -21,7 +21,6 @@ from pallas_emb.kernels.pallas_update import fused_update
 from sharding.layout import RowLayout
 
 INTERPRET = pltpu.InterpretParams()
-RACES = pltpu.InterpretParams(detect_races=True, vector_clock_size=8)
 
 # Every optimizer that runs in the kernels.
 OPTIMIZERS = [
@@ -175,12 +174,6 @@ def test_packed_kernels_equal_xla_bf16_and_d8(opt, dim):
   _kernel_case(opt, jnp.float32, 8, seed=3)
 
 
-def _races_found(fn) -> bool:
-  pltpu.reset_tpu_interpret_mode_state()
-  jax.block_until_ready(fn())
-  return tpu_interpreter.races.races_found
-
-
 def test_race_detector_finds_no_race_in_runs_of_a_physical_row():
   # Each run of ids in one physical row writes it once (its last id), so
   # the write-backs of a chunk never overlap, nor a chunk's writes the next
@@ -192,7 +185,7 @@ def test_race_detector_finds_no_race_in_runs_of_a_physical_row():
   # boundary of the 4 chunks of 8.
   rows = np.arange(36, 68, dtype=np.int32)
   grads = rng.normal(size=(rows.size, 16)).astype(np.float32)
-  found = _races_found(
+  found = races_found(
     lambda: fused_update(
       table,
       slots,
