@@ -95,6 +95,18 @@ def make_mesh(num_devices: int = NUM_DEVICES, axis: str = "x", kind: str = "auto
   return jax.sharding.Mesh(np.array(devices[1 : num_devices + 1]), (axis,), axis_types=(types,))
 
 
+def pytest_collection_modifyitems(config, items):
+  """The quick loop (`-m "not slow"`) runs a subset of the large parameter
+  grids. A module names it in `QUICK`: {test function name: predicate over the
+  case's parameters}; the other cases of that test are marked slow, so the
+  full command (and CI) still runs every one."""
+  del config
+  for item in items:
+    quick = getattr(item.module, "QUICK", {}).get(item.originalname)
+    if quick is not None and not quick(item.callspec.params):
+      item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
   yield

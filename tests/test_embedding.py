@@ -77,6 +77,9 @@ OPTIMIZERS = [
   pe.LazyAdam(0.05),
 ]
 
+# The quick loop's subset (conftest): every optimizer on the "mod" layout.
+QUICK = {"test_one_eight_and_six_devices_give_identical_tables": lambda p: p["layout"] == "mod"}
+
 
 @pytest.mark.parametrize("layout", ["mod", "range"])
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: type(o).__name__)

@@ -343,6 +343,7 @@ def _flushed_at(saved, step):
   return state
 
 
+@pytest.mark.slow
 def test_restore_under_another_batch_size_equals_a_run_flushed_there(saved):
   """The async checkpoint of step 3 (step 2's gradient pending) restores
   into a trainer of twice the batch: the pending update is applied at
@@ -365,6 +366,7 @@ def test_restore_under_another_batch_size_equals_a_run_flushed_there(saved):
   _assert_same(_logical(tr, got), _logical(tr, want))
 
 
+@pytest.mark.slow
 def test_restore_into_the_sync_pipeline_on_other_devices_applies_the_pending_update(saved):
   """--noasync_emb on 6 devices with batches of 48 (the saved 64 do not
   split over 6: padded): the tables are the saved run's flushed at that

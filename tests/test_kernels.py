@@ -79,6 +79,22 @@ def _rows(case, rng, num_rows=NUM_ROWS):
 
 CASES = ["full_chunks", "partial_last_chunk", "padding_last", "all_padding", "apply_false"]
 
+# The quick loop's subset (conftest.pytest_collection_modifyitems): every
+# optimizer and dtype on the case that crosses full chunks into a partial one,
+# every case on LazyAdam (the most DMAs per row), LazyAdam bf16 under
+# shard_map and in SMEM windows, and the race the detector must find.
+QUICK = {
+  "test_fused_update_equals_xla_bit_for_bit": lambda p: (
+    p["case"] == "partial_last_chunk"
+    or (isinstance(p["opt"], pe.LazyAdam) and p["dtype"] == jnp.float32)
+  ),
+  "test_kernels_under_shard_map_equal_xla": lambda p: (
+    isinstance(p["opt"], pe.LazyAdam) and p["dtype"] == jnp.bfloat16
+  ),
+  "test_ids_stream_through_smem_in_windows": lambda p: isinstance(p["opt"], pe.LazyAdam),
+  "test_race_detector_sees_duplicate_ids_and_nothing_else": lambda p: p["duplicate"],
+}
+
 
 def _assert_same(got, want, msg=""):
   got, want = np.asarray(got), np.asarray(want)

@@ -182,6 +182,10 @@ def _assert_slot(got, want, old, name):
     _assert_within_ulps(got, want, old, name)
 
 
+# The quick loop's subset (conftest): every optimizer, on four devices.
+QUICK = {"test_optimizer_math_is_within_the_stated_ulps": lambda p: p["num_devices"] == 4}
+
+
 @needs_native
 @pytest.mark.parametrize("num_devices", [1, 4])
 @pytest.mark.parametrize("name", list(NATIVE_OPTIMIZERS))

@@ -33,6 +33,9 @@ OPTIMIZERS = [
 OPT_IDS = [type(o).__name__ for o in OPTIMIZERS]
 NUM_ROWS, CHUNK, WINDOW, STEP = 256, 16, 32, 7
 
+# The quick loop's subset (conftest): D=16 on LazyAdam, the most DMAs per row.
+QUICK = {"test_packed_kernels_equal_xla_d16": lambda p: isinstance(p["opt"], pe.LazyAdam)}
+
 
 def _state(opt, dtype, dim, rng, num_rows=NUM_ROWS):
   """A packed stored table and random packed slots (NumPy)."""

@@ -102,6 +102,12 @@ OPTIMIZERS = [
   (pe.FTRL(DECAY, l1=0.01, l2=0.01), 6),
 ]
 
+# The quick loop's subset (conftest): SGD (a schedule) and LazyAdam (three
+# slots, one per-row step).
+QUICK = {
+  "test_stacked_equals_unstacked_bit_for_bit": lambda p: isinstance(p["opt"], (pe.SGD, pe.LazyAdam))
+}
+
 
 @pytest.mark.parametrize("opt,n", OPTIMIZERS, ids=lambda x: getattr(type(x), "__name__", str(x)))
 def test_stacked_equals_unstacked_bit_for_bit(opt, n):
