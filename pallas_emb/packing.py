@@ -27,6 +27,17 @@ then two shifts and one concatenation, with columns in their natural order.
 
 All conversions use only 32-bit integer ops and bitcasts, so the XLA path and
 the Pallas kernels round identically (round-to-nearest-even, quiet NaN).
+
+Stochastic rounding (`TableSpec.stochastic_rounding`): a float32 value x
+between the bfloat16 neighbours lo < x < hi rounds to hi with probability
+(x - lo) / (hi - lo), so an update far below half a bfloat16 ulp still moves
+the row in expectation where round-to-nearest drops it every time. The
+random 16 bits of each value are a hash of the step's key (`rounding_key`:
+the table's seed, the step and the shard), the value's local row and its
+column: no random state, so the kernel and the XLA path round alike, bit
+for bit, and a step is deterministic for a given seed and mesh. (Keyed by
+the value instead, rows that once hold the same value would round alike
+from then on and never part again.)
 """
 
 from __future__ import annotations
@@ -179,20 +190,58 @@ def unpack_rows(words: jax.Array, dtype) -> jax.Array:
   return jnp.concatenate([lo, hi], axis=-1)
 
 
-def _bf16_bits(x: jax.Array) -> jax.Array:
-  """float32 -> bfloat16 bit pattern in the low 16 bits of a uint32 (RNE)."""
+def _mix(h: jax.Array) -> jax.Array:
+  """MurmurHash3's 32-bit finalizer: every input bit flips each output bit
+  with probability about 1/2."""
+  h = h ^ (h >> 16)
+  h = h * jnp.uint32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * jnp.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
+def rounding_key(seed: int, step: jax.Array, shard: jax.Array | int = 0) -> jax.Array:
+  """The uint32 scalar that keys stochastic rounding of a table seeded
+  `seed` (0 <= seed < 2**32) at `step` on `shard` (int32 scalars, traced or
+  not; a replicated table's copies use one shard, 0)."""
+  as_u32 = lambda x: jnp.asarray(x).astype(jnp.uint32).reshape(())
+  return _mix(_mix(_mix(jnp.uint32(seed) ^ jnp.uint32(0x9E3779B9)) + as_u32(step)) + as_u32(shard))
+
+
+def rounding_noise(key: jax.Array, rows: jax.Array, dim: int) -> jax.Array:
+  """(C,) or (C, 1) int32 local row ids -> (C, dim) uint32 whose low 16
+  bits are uniform and independent across rows, columns and keys."""
+  rows = rows.reshape(-1, 1).astype(jnp.uint32)
+  cols = jax.lax.broadcasted_iota(jnp.uint32, (1, dim), 1)
+  return _mix(_mix(key + rows * jnp.uint32(0x9E3779B9)) + cols * jnp.uint32(0x85EBCA6B))
+
+
+def _bf16_bits(x: jax.Array, noise: jax.Array | None = None) -> jax.Array:
+  """float32 -> bfloat16 bit pattern in the low 16 bits of a uint32:
+  round-to-nearest-even, or with `noise` rounded up when its low 16 bits
+  plus the bits rounded off carry (stochastic rounding)."""
   bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-  rounded = (bits + jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1))) >> 16
+  if noise is None:
+    rounded = (bits + jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1))) >> 16
+  else:
+    # Infinities stay: their low bits are zero and 0xFFFF never carries.
+    rounded = (bits + (noise & jnp.uint32(0xFFFF))) >> 16
   is_nan = (bits & jnp.uint32(0x7FFFFFFF)) > jnp.uint32(0x7F800000)
   return jnp.where(is_nan, (bits >> 16) | jnp.uint32(0x0040), rounded)
 
 
-def pack_rows(rows: jax.Array, dtype) -> jax.Array:
-  """(C, dim) float32 -> (C, storage_width) stored rows of `dtype`."""
+def pack_rows(rows: jax.Array, dtype, noise: jax.Array | None = None) -> jax.Array:
+  """(C, dim) float32 -> (C, storage_width) stored rows of `dtype`.
+
+  Args:
+    noise: None rounds to nearest even; (C, dim) uint32 (`rounding_noise`)
+      rounds bfloat16 stochastically.
+  """
   if np.dtype(dtype) != jnp.bfloat16:
     return rows.astype(jnp.float32)
   half = rows.shape[-1] // 2
-  return _bf16_bits(rows[..., :half]) | (_bf16_bits(rows[..., half:]) << 16)
+  lo, hi = (None, None) if noise is None else (noise[..., :half], noise[..., half:])
+  return _bf16_bits(rows[..., :half], lo) | (_bf16_bits(rows[..., half:], hi) << 16)
 
 
 def to_storage(values, dtype) -> np.ndarray:

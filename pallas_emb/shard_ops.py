@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from pallas_emb import kernels, norms, pooling
+from pallas_emb import kernels, norms, packing, pooling
 from pallas_emb.inputs import token_shape
 from pallas_emb.optimizers.base import reads_step
 from pallas_emb.sharded_table import ShardedTable
@@ -258,7 +258,7 @@ def _psum(t: ShardedTable, x: jax.Array) -> jax.Array:
 def fused_update(t: ShardedTable, table, slots, step, rows, grads, write):
   """`kernels.fused_update` of `t`'s optimizer at `step` on its backend (an
   optimizer that cannot run in a kernel takes the XLA path)."""
-  opt = t.spec.optimizer
+  opt, spec = t.spec.optimizer, t.spec
   return kernels.fused_update(
     table,
     slots,
@@ -267,9 +267,17 @@ def fused_update(t: ShardedTable, table, slots, step, rows, grads, write):
     opt.scalars(step),
     write,
     optimizer=opt,
-    dtype=t.spec.dtype,
+    dtype=spec.dtype,
     backend=t.backend if opt.runs_in_kernel else "xla",
+    rounding_key=_rounding_key(t, step) if spec.stochastic_rounding else None,
   )
+
+
+def _rounding_key(t: ShardedTable, step) -> jax.Array:
+  # Shards key their local rows apart; a replicated table's copies must
+  # round alike.
+  shard = 0 if t.replicated else jax.lax.axis_index(t.axis)
+  return packing.rounding_key(t.spec.rounding_seed, step, shard)
 
 
 def _update_in_one_pass(t: ShardedTable, table, slots, step, res, token_grads, gate, clip):

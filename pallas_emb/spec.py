@@ -70,6 +70,14 @@ class TableSpec:
       table on every device, updated without all_to_all, see
       `pallas_emb.replicated_ops`; for small tables), or "auto": replicated
       below `ShardedEmbedding.replicate_below` rows, else sharded.
+    vocabulary: None (ids are row numbers), or a `DynamicVocabulary`.
+    stochastic_rounding: bfloat16 tables only: round each updated value
+      to one of its two bfloat16 neighbours with probability by nearness,
+      so that updates smaller than half a bfloat16 ulp still move the row in
+      expectation (round-to-nearest-even drops them). Deterministic for a
+      given seed and step, the same on every backend, mesh and stacking (see
+      `pallas_emb.packing`).
+    rounding_seed: the seed of stochastic rounding, in [0, 2**32).
   """
 
   name: str
@@ -84,6 +92,8 @@ class TableSpec:
   max_grad_norm: float | None = None
   placement: Literal["auto", "sharded", "replicated"] = "auto"
   vocabulary: DynamicVocabulary | None = None
+  stochastic_rounding: bool = False
+  rounding_seed: int = 0
 
   def __post_init__(self):
     owner = f"TableSpec({self.name!r})"
@@ -105,6 +115,7 @@ class TableSpec:
         f"pairs of bfloat16 in 32-bit words), got dim={self.dim}; pad dim "
         f"to {self.dim + 1} or use float32."
       )
+    _check_rounding(owner, self.stochastic_rounding, self.rounding_seed, dtype)
     if not isinstance(self.optimizer, EmbeddingOptimizer):
       raise SpecError(
         f"{owner}: optimizer {self.optimizer!r} does not implement "
@@ -142,6 +153,19 @@ class TableSpec:
           "placement='replicated'; use placement='sharded' (or 'auto', which never "
           "replicates a dynamic table)."
         )
+
+
+def _check_rounding(owner: str, stochastic, seed, dtype: np.dtype) -> None:
+  if not isinstance(stochastic, (bool, np.bool_)):
+    raise SpecError(f"{owner}: stochastic_rounding must be True or False, got {stochastic!r}.")
+  check_int(seed, f"{owner}: rounding_seed", error=SpecError, minimum=0)
+  if seed >= 2**32:
+    raise SpecError(f"{owner}: rounding_seed must be below 2**32, got {seed}.")
+  if stochastic and dtype != packing.SUPPORTED_DTYPES[1]:
+    raise SpecError(
+      f"{owner}: stochastic_rounding applies to bfloat16 tables, and this one is {dtype} "
+      "(its rows are stored exactly); use dtype=jnp.bfloat16 or stochastic_rounding=False."
+    )
 
 
 def check_max_norm(value, name: str) -> None:

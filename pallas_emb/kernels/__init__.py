@@ -52,27 +52,21 @@ def gather(table, rows, *, dtype, backend: str, dim: int | None = None):
   return pallas_gather.gather(table, rows, dtype=dtype, dim=dim, interpret=_kernel_mode(backend))
 
 
-def fused_update(table, slots, rows, grads, scalars, apply, *, optimizer, dtype, backend: str):
-  """In-place optimizer update of distinct rows; see `xla.fused_update`."""
-  if backend == "native" and native.supports(optimizer, dtype):
+def fused_update(
+  table, slots, rows, grads, scalars, apply, *, optimizer, dtype, backend: str, rounding_key=None
+):
+  """In-place optimizer update of distinct rows; see `xla.fused_update`
+  (`rounding_key`: stochastic rounding of bfloat16 rows; the native
+  backend runs float32 tables only)."""
+  if backend == "native" and rounding_key is None and native.supports(optimizer, dtype):
     return native.fused_update(
       table, slots, rows, grads, scalars, apply, optimizer=optimizer, dtype=dtype
     )
+  args = (table, slots, rows, grads, scalars, apply)
+  kw = dict(optimizer=optimizer, dtype=dtype, rounding_key=rounding_key)
   if not uses_kernel(backend, table, slots, optimizer):
-    return xla.fused_update(
-      table, slots, rows, grads, scalars, apply, optimizer=optimizer, dtype=dtype
-    )
-  return pallas_update.fused_update(
-    table,
-    slots,
-    rows,
-    grads,
-    scalars,
-    apply,
-    optimizer=optimizer,
-    dtype=dtype,
-    interpret=_kernel_mode(backend),
-  )
+    return xla.fused_update(*args, **kw)
+  return pallas_update.fused_update(*args, **kw, interpret=_kernel_mode(backend))
 
 
 def unique_impl(backend: str):

@@ -189,8 +189,28 @@ def check_optimizer_state(table, slots, scalars, optimizer: RowUpdate, dim: int,
   check_scalars(scalars)
 
 
-def check_update(table, slots, rows, grads, scalars, *, optimizer: RowUpdate, dtype) -> int:
+def check_rounding_key(rounding_key, dtype) -> None:
+  """None (round to nearest even), or a uint32 scalar keying stochastic
+  rounding, which only a bfloat16 table has."""
+  if rounding_key is None:
+    return
+  if np.dtype(rounding_key.dtype) != np.uint32 or np.size(rounding_key) != 1:
+    raise InputError(
+      f"rounding_key must be a uint32 scalar (packing.rounding_key(seed, step)), got "
+      f"{rounding_key.dtype}{list(np.shape(rounding_key))}."
+    )
+  if np.dtype(dtype) != packing.SUPPORTED_DTYPES[1]:
+    raise InputError(
+      f"rounding_key: stochastic rounding applies to bfloat16 rows only, and this table is "
+      f"{np.dtype(dtype)} (stored exactly); pass rounding_key=None."
+    )
+
+
+def check_update(
+  table, slots, rows, grads, scalars, *, optimizer: RowUpdate, dtype, rounding_key=None
+) -> int:
   """The validator of `fused_update` on every backend; returns the row dim."""
+  check_rounding_key(rounding_key, dtype)
   dim = check_stored_table(table, dtype)
   if grads.ndim == 2 and grads.shape[1] != dim and grads.shape[1] > 0:
     # A packed table's row width is the gradients'.

@@ -66,6 +66,7 @@ def vmem_footprint_bytes(
   slot_widths: Sequence[int],
   chunk_rows: int = DEFAULT_CHUNK_ROWS,
   num_packed: int = 0,
+  stochastic: bool = False,
 ) -> int:
   """VMEM the fused update needs for one chunk size, in bytes.
 
@@ -77,7 +78,8 @@ def vmem_footprint_bytes(
   rows; per scalar slot its (C, 1) old and new values and a carried group;
   per packed row array (`sub_rows`) its (C, 128) rotated sub-rows and a
   carried physical row (its double buffer is counted at 128 lanes by the
-  caller's `slot_widths`, or here for the table).
+  caller's `slot_widths`, or here for the table); with stochastic rounding,
+  the (C, dim) random bits and the (C, 1) row ids' double buffer.
 
   Args:
     dim: the row width D.
@@ -86,6 +88,7 @@ def vmem_footprint_bytes(
       or 1 for per-row state).
     chunk_rows: rows per chunk C.
     num_packed: how many of the table and row-shaped slots are packed.
+    stochastic: bfloat16 rows are rounded stochastically.
   """
   c = chunk_rows
   width = packing.storage_width(dim, dtype)
@@ -101,6 +104,7 @@ def vmem_footprint_bytes(
     + 2 * wide
     + narrow * (2 * pad(c, scalar_slots.GROUP) + 2 * pad(c, 1) + pad(1, scalar_slots.GROUP))
     + num_packed * (pad(c, packing.LANES) + pad(1, packing.LANES))
+    + stochastic * (pad(c, dim) + 2 * pad(c, 1))
   )
   return words * chip_lib.WORD_BYTES
 
@@ -121,6 +125,7 @@ def fused_update(
   *,
   optimizer: RowUpdate,
   dtype,
+  rounding_key: jax.Array | None = None,
   interpret=False,
   chunk_rows: int = DEFAULT_CHUNK_ROWS,
   window_rows: int | None = None,
@@ -141,6 +146,8 @@ def fused_update(
     apply: bool scalar; when False nothing is written.
     optimizer: supplies `update_rows`.
     dtype: the table's logical dtype.
+    rounding_key: None, or a uint32 scalar: bfloat16 rows are rounded
+      stochastically with it (`packing.rounding_key`).
     interpret, chunk_rows, window_rows, target: as for
       `pallas_gather.gather`.
 
@@ -154,7 +161,8 @@ def fused_update(
     ConfigError: a bad chunk_rows, interpret or target.
     VmemBudgetError: the chunk does not fit the target chip's VMEM.
   """
-  dim = checks.check_update(table, slots, rows, grads, scalars, optimizer=optimizer, dtype=dtype)
+  kw = dict(optimizer=optimizer, dtype=dtype, rounding_key=rounding_key)
+  dim = checks.check_update(table, slots, rows, grads, scalars, **kw)
   num_ids = rows.shape[0]
   chunk = checks.chunk_size(chunk_rows, num_ids)
   params = checks.interpret_params(interpret)
@@ -187,6 +195,7 @@ def fused_update(
       slot_widths=[s.shape[1] for s in slots.values()],
       chunk_rows=c,
       num_packed=len(layout.packed),
+      stochastic=rounding_key is not None,
     ),
     chunk,
     chip,
@@ -200,7 +209,11 @@ def fused_update(
     grads,
     _flat_scalars(scalars),
     jnp.asarray(apply).astype(jnp.int32).reshape(1),
+    jax.lax.bitcast_convert_type(
+      jnp.zeros((), jnp.uint32) if rounding_key is None else rounding_key, jnp.int32
+    ).reshape(1),
     optimizer=optimizer,
+    stochastic=rounding_key is not None,
     dtype=np.dtype(dtype),
     layout=layout,
     scalars_type=type(scalars),
@@ -218,6 +231,7 @@ def fused_update(
   static_argnames=[
     "optimizer",
     "dtype",
+    "stochastic",
     "layout",
     "scalars_type",
     "chunk",
@@ -234,9 +248,11 @@ def _fused_update_call(
   grads,
   flat_scalars,
   apply,
+  key,
   *,
   optimizer,
   dtype,
+  stochastic,
   layout,
   scalars_type,
   chunk,
@@ -255,6 +271,7 @@ def _fused_update_call(
       num_narrow=len(narrow),
       optimizer=optimizer,
       dtype=dtype,
+      stochastic=stochastic,
       layout=layout,
       scalars_type=scalars_type,
       chunk=chunk,
@@ -267,7 +284,9 @@ def _fused_update_call(
         apply,
         flat_scalars,
         jnp.full((1,), start // chunk, jnp.int32),
+        key,
         grads,
+        *([rows.reshape(-1, 1)] if stochastic else []),
         *arrays,
       )
     )
@@ -282,6 +301,7 @@ def _window_call(
   num_narrow,
   optimizer,
   dtype,
+  stochastic,
   layout,
   scalars_type,
   chunk,
@@ -296,13 +316,17 @@ def _window_call(
   sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt)
   wide = arrays[1 : len(arrays) - num_narrow]
   narrow = arrays[len(arrays) - num_narrow :]
+  noise = sds((steps * chunk, dim), jnp.uint32) if stochastic else None
   cost = pl.estimate_cost(
-    functools.partial(update_kernel.update_chunk, optimizer=optimizer, dtype=dtype),
+    lambda words, slots, grads, scalars, noise: update_kernel.update_chunk(
+      words, slots, grads, scalars, optimizer=optimizer, dtype=dtype, noise=noise
+    ),
     sds((steps * chunk, layout.widths[0]), table.dtype),
     {n: sds((steps * chunk, w), a.dtype) for n, a, w in zip(layout.wide, wide, layout.widths[1:])}
     | {n: sds((steps * chunk, 1), a.dtype) for n, a in zip(layout.narrow, narrow)},
     sds((steps * chunk, dim), jnp.float32),
     scalars_type(*(sds((), jnp.float32) for _ in scalars_type._fields)),
+    noise,
   )
   row_bytes = sum(a.shape[1] * a.dtype.itemsize for a in arrays)
   cost = pl.CostEstimate(
@@ -315,7 +339,7 @@ def _window_call(
   )
 
   hbm = pl.BlockSpec(memory_space=pltpu.HBM)
-  num_scalar_prefetch = 4
+  num_scalar_prefetch = 5
   kernel = functools.partial(
     update_kernel.update_kernel,
     optimizer=optimizer,
@@ -323,15 +347,19 @@ def _window_call(
     layout=layout,
     scalars_type=scalars_type,
     num_rows=num_rows,
+    stochastic=stochastic,
   )
   packed = [arrays[k] for k in layout.packed]
+  chunk_of = lambda i, rows, apply, scalars, off, key: (i + off[0], 0)
   return pl.pallas_call(
     kernel,
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=num_scalar_prefetch,
       grid=(steps,),
-      # Grads span all ids: blocks from the window's first.
-      in_specs=[pl.BlockSpec((chunk, dim), lambda i, rows, apply, scalars, off: (i + off[0], 0))]
+      # Grads (and ids, for the rounding) span all ids: blocks from the
+      # window's first.
+      in_specs=[pl.BlockSpec((chunk, dim), chunk_of)]
+      + [pl.BlockSpec((chunk, 1), chunk_of)] * stochastic
       + [hbm] * len(arrays),
       out_specs=[hbm] * len(arrays),
       scratch_shapes=[pltpu.VMEM((2, chunk, a.shape[1]), a.dtype) for a in arrays]
@@ -346,8 +374,9 @@ def _window_call(
     # in VMEM around the call, copying all of it every step.
     out_shape=[pltpu.HBM(a.shape, a.dtype) for a in arrays],
     # Alias indices count the scalar-prefetch operands too: the operands
-    # are rows, apply, scalars, offset, grads, then the table and slots.
-    input_output_aliases={num_scalar_prefetch + 1 + k: k for k in range(len(arrays))},
+    # are rows, apply, scalars, offset, key, grads, the ids if stochastic,
+    # then the table and slots.
+    input_output_aliases={num_scalar_prefetch + 1 + stochastic + k: k for k in range(len(arrays))},
     compiler_params=pltpu.CompilerParams(
       # Buffers carry chunks (and scalar-slot groups) across grid steps.
       dimension_semantics=("arbitrary",),

@@ -41,18 +41,21 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_emb import packing
 from pallas_emb.kernels import row_dma, scalar_slots, sub_rows
 
 
-def update_chunk(words, slots, grads, scalars, *, optimizer, dtype):
-  """Stored rows -> updated stored rows: what the kernel runs per chunk."""
+def update_chunk(words, slots, grads, scalars, *, optimizer, dtype, noise=None):
+  """Stored rows -> updated stored rows: what the kernel runs per chunk
+  (`noise`: bfloat16 rows rounded stochastically, `packing.pack_rows`)."""
   new_rows, new_slots = optimizer.update_rows(
     packing.unpack_rows(words, dtype), slots, grads, scalars
   )
-  packed = packing.pack_rows(new_rows, dtype).astype(words.dtype)
+  packed = packing.pack_rows(new_rows, dtype, noise).astype(words.dtype)
   return packed, {k: new_slots[k].astype(v.dtype) for k, v in slots.items()}
 
 
@@ -78,17 +81,21 @@ def update_kernel(
   apply_ref,  # (1,) int32: 0 writes nothing
   scalars_ref,  # (S,) float32: optimizer.scalars(step), flattened
   offset_ref,  # (1,) int32: the window's first chunk (the grads' index map reads it)
+  key_ref,  # (1,) int32: the stochastic rounding key's bits (read if `stochastic`)
   # Inputs:
   grads_ref,  # (C, dim) float32 VMEM block: the chunk's summed row gradients
-  *refs,  # per array (table, row-shaped slots, scalar slots), see _ArrayRefs
+  *refs,  # if `stochastic`, (C, 1) int32 VMEM block: the chunk's row ids;
+  # then per array (table, row-shaped slots, scalar slots), see _ArrayRefs
   optimizer,
   dtype,
   layout,
   scalars_type,
   num_rows,
+  stochastic,
 ):
   """One grid step: one chunk of row ids; see the module docstring."""
   del offset_ref
+  ids_ref, refs = (refs[0], refs[1:]) if stochastic else (None, refs)
   arrays = _ArrayRefs.split(refs, layout)
   chunk = arrays.bufs[0].shape[1]
   i = pl.program_id(0)
@@ -143,8 +150,12 @@ def update_kernel(
     scalars = scalars_type(*(scalars_ref[k] for k in range(len(scalars_type._fields))))
     slots = dict(zip(layout.wide, values[1:]))
     slots.update({n: c[...] for n, c in zip(layout.narrow, arrays.old_cols)})
+    noise = None
+    if stochastic:
+      key = lax.bitcast_convert_type(key_ref[0], jnp.uint32)
+      noise = packing.rounding_noise(key, ids_ref[...], grads_ref.shape[1])
     words, slots = update_chunk(
-      values[0], slots, grads_ref[...], scalars, optimizer=optimizer, dtype=dtype
+      values[0], slots, grads_ref[...], scalars, optimizer=optimizer, dtype=dtype, noise=noise
     )
     new = [words] + [slots[n] for n in layout.wide]
     for k, buf in enumerate(row_bufs):

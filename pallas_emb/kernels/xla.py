@@ -42,7 +42,9 @@ def gather(table: jax.Array, rows: jax.Array, *, dtype, dim: int | None = None) 
   return packing.unpack_rows(packing.take_rows(table, idx, width), dtype)
 
 
-def fused_update(table, slots, rows, grads, scalars, apply, *, optimizer: RowUpdate, dtype):
+def fused_update(
+  table, slots, rows, grads, scalars, apply, *, optimizer: RowUpdate, dtype, rounding_key=None
+):
   """Applies `optimizer` to the listed rows, in place when donated.
 
   Args:
@@ -55,20 +57,24 @@ def fused_update(table, slots, rows, grads, scalars, apply, *, optimizer: RowUpd
     apply: bool scalar; when False nothing is written.
     optimizer: supplies `update_rows`.
     dtype: the table's logical dtype.
+    rounding_key: None rounds bfloat16 rows to nearest even; a uint32
+      scalar (`packing.rounding_key(seed, step)`) rounds them stochastically.
 
   Returns:
     (table, slots) with only the listed rows changed.
   """
-  dim = checks.check_update(table, slots, rows, grads, scalars, optimizer=optimizer, dtype=dtype)
+  kw = dict(optimizer=optimizer, dtype=dtype, rounding_key=rounding_key)
+  dim = checks.check_update(table, slots, rows, grads, scalars, **kw)
   width = packing.storage_width(dim, dtype)
   idx = _out_of_bounds(rows, checks.table_rows(table, dim, dtype), apply)
   specs = optimizer.slot_specs()
   widths = {k: specs[k].width_for(dim) for k in slots}
+  noise = None if rounding_key is None else packing.rounding_noise(rounding_key, rows, dim)
   new_rows, new_slots = optimizer.update_rows(
     packing.unpack_rows(packing.take_rows(table, idx, width), dtype),
     {k: packing.take_rows(v, idx, widths[k]) for k, v in slots.items()},
     grads,
     scalars,
   )
-  table = packing.put_rows(table, idx, packing.pack_rows(new_rows, dtype), width)
+  table = packing.put_rows(table, idx, packing.pack_rows(new_rows, dtype, noise), width)
   return table, {k: packing.put_rows(v, idx, new_slots[k], widths[k]) for k, v in slots.items()}

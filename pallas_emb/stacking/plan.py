@@ -87,7 +87,16 @@ def stack_key(spec: TableSpec) -> tuple:
   """What tables must share to be stacked (a dynamic table: nothing)."""
   if spec.vocabulary is not None:
     return ("dynamic", spec.name)
-  return (spec.dim, spec.dtype, spec.optimizer, spec.initializer, spec.layout, spec.max_grad_norm)
+  return (
+    spec.dim,
+    spec.dtype,
+    spec.optimizer,
+    spec.initializer,
+    spec.layout,
+    spec.max_grad_norm,
+    spec.stochastic_rounding,
+    spec.rounding_seed,
+  )
 
 
 def offsets(tables: Sequence[TableSpec], num_shards: int) -> tuple[int, ...]:
@@ -224,7 +233,7 @@ def plan_groups(
         raise SpecError(
           f"stacking group {group!r} mixes tables that cannot share one "
           f"update ({list(members)}): stacked tables need the same dim, "
-          "dtype, optimizer, initializer, layout and max_grad_norm."
+          "dtype, optimizer, initializer, layout, max_grad_norm and rounding."
         )
       sets.append((group, list(members)))
     sets += [(n, [n]) for n in names if n not in seen]
