@@ -25,6 +25,9 @@ import sys
 import pytest
 
 MIB = 2**20
+EXAMPLE_CONFIG = os.path.join(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "pod_check_example.json"
+)
 
 
 def _can_unshare() -> bool:
@@ -74,6 +77,9 @@ COMPILES = {
     "--vocab=4000000",
     "--examples_per_chip=1024",
   ],
+  # docs/pod_check_example.json: a bf16 LazyAdam user table (D=64, rounded
+  # stochastically), an f32 Adagrad item table (D=32) and a 256-row SGD table.
+  "config": ["--topology=v5e:2x2", f"--config={EXAMPLE_CONFIG}"],
   "ftrl": [
     "--topology=v5e:2x2",
     "--workload=main",
@@ -147,6 +153,32 @@ def test_ftrl_step_compiles_with_every_table_in_the_kernels(reports):
   assert r["kernel_calls"] == 3, r
   for name, table in r["tables"].items():
     assert not table["copies"] and not table["prefetches"], (name, table)
+
+
+def test_a_configuration_file_compiles_each_table_as_configured(reports):
+  [r] = reports["config"]
+  assert r["backend"] == "pallas" and r["physical_tables"] == 3, r
+  got = {
+    n: (t["dim"], t["dtype"], t["optimizer"], t["stochastic_rounding"])
+    for n, t in r["tables"].items()
+  }
+  assert got == {
+    "user": (64, "bfloat16", "LazyAdam", True),
+    "item": (32, "float32", "Adagrad", False),
+    "country": (16, "float32", "SGD", False),
+  }
+  # The two large tables, packed (64 bf16 = 32 words, 32 f32 words: 4 rows
+  # to a 128-lane row) run in the kernels (owner gather, ids gather, update
+  # each), and none of their tables or slots is copied.
+  assert r["kernel_calls"] == 6, r["kernel_calls"]
+  for name in ("user", "item"):
+    table = r["tables"][name]
+    assert not table["copies"] and not table["prefetches"], (name, table)
+  # Per-chip temp follows the ids: rows received and gradients sent, here
+  # still 128 lanes wide per id (the per-id buffers of narrow rows are not
+  # packed yet), plus 16 MiB.
+  lane_padded_working_set = 2 * r["ids_per_chip"] * 128 * 4
+  assert r["temp_bytes"] <= lane_padded_working_set + 16 * MIB, r["temp_bytes"] / MIB
 
 
 def test_w_tpu_fits_twice_its_working_set_and_copies_no_table_or_slot(reports):

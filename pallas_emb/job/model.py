@@ -83,7 +83,7 @@ def build_ranking(
     hidden: MLP hidden widths.
     dtype: every table's dtype.
     table_options: table name -> further `TableSpec` arguments (e.g.
-      capacities).
+      capacities), over the arguments above.
     stacking: `ShardedEmbedding.stacking`.
 
   Returns:
@@ -95,10 +95,13 @@ def build_ranking(
   tables = {}
   dims = getattr(dataset, "dims", {})
   for f in dataset.features:
-    options = {"dim": dims.get(f.table, emb_dim), **dict((table_options or {}).get(f.table, {}))}
-    tables.setdefault(
-      f.table, TableSpec(f.table, f.num_rows, optimizer=optimizer, dtype=dtype, **options)
-    )
+    options = {
+      "dim": dims.get(f.table, emb_dim),
+      "optimizer": optimizer,
+      "dtype": dtype,
+      **dict((table_options or {}).get(f.table, {})),
+    }
+    tables.setdefault(f.table, TableSpec(f.table, f.num_rows, **options))
   features = [FeatureSpec(f.name, f.table, f.combiner) for f in dataset.features]
   emb = ShardedEmbedding(tuple(tables.values()), features, mesh, axis, backend, stacking)
   model = RankingModel(

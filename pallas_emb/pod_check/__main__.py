@@ -2,6 +2,7 @@
 
     python -m pallas_emb.pod_check --topology=v5e:2x2,v5e:4x4 \
         --workload=w_tpu --vocab=1000000 --json=report.json
+    python -m pallas_emb.pod_check --config=model.json  # your own tables
 
 Prints one row per topology and pipeline (per chip: table and slot bytes,
 temp, XLA's bytes accessed against the floor, all_to_all bytes, table-sized
@@ -48,6 +49,12 @@ def _parse(argv):
     choices=["main", "w_tpu", "dlrm"],
     help="main: the main job's model; w_tpu: one item table "
     "read by `item` (1 id) and `history` (20 ids)",
+  )
+  p.add_argument(
+    "--config",
+    default=None,
+    help="a JSON file of your own tables and features (pallas_emb.pod_check.config); "
+    "replaces --workload, --vocab, --dim, --dtype and --optimizer",
   )
   p.add_argument("--pipelines", default="async,exact", help="comma-separated: async, exact, sync")
   p.add_argument("--vocab", type=int, default=1_000_000, help="w_tpu: rows of the item table")
@@ -131,7 +138,13 @@ def main(argv=None) -> int:
     optimizer=OPTIMIZERS[args.optimizer](pe),
     stacking=args.stacking,
   )
-  if args.workload == "w_tpu":
+  if args.config:
+    from pallas_emb.pod_check import config  # pylint: disable=g-import-not-at-top
+
+    workload = config.load(
+      args.config, examples_per_chip=args.examples_per_chip, stacking=args.stacking
+    )
+  elif args.workload == "w_tpu":
     workload = compile_lib.w_tpu(args.vocab, args.dim or 128, **kw)
   elif args.workload == "dlrm":
     workload = compile_lib.dlrm(args.dlrm_max_rows or None, **kw)
@@ -139,7 +152,8 @@ def main(argv=None) -> int:
     workload = compile_lib.main_job(args.dim or 16, **kw)
   if caps:
     tables = {f.table for f in workload.features}
-    workload = compile_lib.dataclasses.replace(workload, table_options={t: caps for t in tables})
+    options = {t: {**workload.table_options.get(t, {}), **caps} for t in tables}
+    workload = compile_lib.dataclasses.replace(workload, table_options=options)
   reports = []
   print(HEADER, flush=True)
   for topology in args.topology.split(","):

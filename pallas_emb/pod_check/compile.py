@@ -263,6 +263,8 @@ def compile_step(
       "rows": spec.num_rows,
       "dim": spec.dim,
       "dtype": str(np.dtype(spec.dtype)),
+      "optimizer": type(spec.optimizer).__name__,
+      "stochastic_rounding": spec.stochastic_rounding,
       "rows_per_chip": rps,
       "table_bytes": table_bytes,
       "slot_bytes": slot_bytes,
