@@ -246,3 +246,23 @@ def test_dense_is_skipped_with_a_reason_when_it_would_not_fit(monkeypatch):
   assert why and "10.2 GB" in why and "8.0 GB available" in why and "--vocab" in why
   monkeypatch.setattr(run_lib, "available_memory", lambda: 20_000_000_000)
   assert run_lib._dense_does_not_fit(table) is None
+
+
+@pytest.mark.slow
+def test_tpu_check_compares_the_kernels_with_the_xla_path(tmp_path):
+  """`python -m pallas_emb.bench.tpu_check` (run on a TPU for the README's
+  figures) on CPU: the interpreted kernels equal the XLA path bit for bit
+  on a wide f32 table and a packed bf16 one rounded stochastically."""
+  from pallas_emb.bench import tpu_check
+
+  report = tpu_check.main(["--quick", "--json", str(tmp_path / "tpu_check.json")])
+  assert report["pallas_backend"] == "interpret"
+  assert [c["case"] for c in report["cases"]] == [
+    "float32-D128-rowwise_adagrad",
+    "bfloat16-D64-rowwise_adagrad+sr",
+  ]
+  for case in report["cases"]:
+    assert "error" not in case, case
+    assert case["table"]["identical"] and case["acts"]["identical"], case
+    assert case["slots"] and all(s["identical"] for s in case["slots"].values()), case
+  assert json.loads((tmp_path / "tpu_check.json").read_text()) == report
