@@ -10,6 +10,8 @@ asks for them, and the tests read their reports:
 * W-TPU (one 1M-row table, D=128 f32, `item` + 20-id `history`, 4,096
   examples per chip on v5e:2x2) fits in twice its working set, copies no
   table or slot, and its update's all-to-all overlaps the dense compute;
+* a dynamic-vocabulary table (`--dynamic`) keeps its lookup and update in
+  the kernels, with no copy of the table or its slots;
 * per-chip memory follows the ids, not the table or the chip count: the same
   batch with a 10x table, and 4x the chips with the same shard, keep temp
   flat (at 1,024 examples per chip, to keep the suite short).
@@ -76,6 +78,14 @@ COMPILES = {
     "--workload=w_tpu",
     "--vocab=4000000",
     "--examples_per_chip=1024",
+  ],
+  # W-TPU's table with a dynamic vocabulary, beside the same step static.
+  "dynamic": [
+    "--topology=v5e:2x2",
+    "--workload=w_tpu",
+    "--vocab=1000000",
+    "--examples_per_chip=1024",
+    "--dynamic",
   ],
   # docs/pod_check_example.json: a bf16 LazyAdam user table (D=64, rounded
   # stochastically), an f32 Adagrad item table (D=32) and a 256-row SGD table.
@@ -205,3 +215,24 @@ def test_per_chip_temp_follows_the_ids_not_the_table_or_the_chip_count(reports):
   assert more["chips"] == 16
   assert more["tables"]["item"]["rows_per_chip"] == small["tables"]["item"]["rows_per_chip"]
   assert more["temp_bytes"] <= 1.2 * small["temp_bytes"], (small["temp_bytes"], more["temp_bytes"])
+
+
+def test_a_dynamic_vocabulary_keeps_the_table_in_the_kernels(reports):
+  dynamic, static = reports["dynamic"]
+  assert (dynamic["pipeline"], static["pipeline"]) == ("dynamic", "static")
+  assert dynamic["tables"]["item"]["dynamic_vocabulary"]
+  assert not static["tables"]["item"]["dynamic_vocabulary"]
+  # The id map only translates raw ids into rows before the static path:
+  # the owner gather, the ids' gather and the fused update are the static
+  # step's Mosaic kernels, and neither step relays the table or a slot out.
+  assert dynamic["backend"] == static["backend"] == "pallas"
+  assert dynamic["kernel_calls"] == static["kernel_calls"] == 3, (dynamic, static)
+  for r in (dynamic, static):
+    assert not r["tables"]["item"]["copies"], (r["pipeline"], r["tables"]["item"])
+  assert not static["tables"]["item"]["prefetches"]
+  # The new rows' reset (an XLA scatter) may stage the 1 MiB accumulator
+  # into VMEM, never the table.
+  table = f"f32[{dynamic['tables']['item']['rows_per_chip']},128]"
+  assert not [p for p in dynamic["tables"]["item"]["prefetches"] if table in p]
+  # The map's own work is beside the static step's temp, not instead of it.
+  assert dynamic["temp_bytes"] > static["temp_bytes"]

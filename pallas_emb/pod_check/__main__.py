@@ -3,6 +3,7 @@
     python -m pallas_emb.pod_check --topology=v5e:2x2,v5e:4x4 \
         --workload=w_tpu --vocab=1000000 --json=report.json
     python -m pallas_emb.pod_check --config=model.json  # your own tables
+    python -m pallas_emb.pod_check --workload=w_tpu --dynamic  # an id map
 
 Prints one row per topology and pipeline (per chip: table and slot bytes,
 temp, XLA's bytes accessed against the floor, all_to_all bytes, table-sized
@@ -57,6 +58,13 @@ def _parse(argv):
     "replaces --workload, --vocab, --dim, --dtype and --optimizer",
   )
   p.add_argument("--pipelines", default="async,exact", help="comma-separated: async, exact, sync")
+  p.add_argument(
+    "--dynamic",
+    action="store_true",
+    help="w_tpu: its table with a DynamicVocabulary (LFU, probe limit 16, a sweep every 4 "
+    "steps), compiled beside the same step over a static table (pallas_emb.pod_check.dynamic); "
+    "replaces --pipelines",
+  )
   p.add_argument("--vocab", type=int, default=1_000_000, help="w_tpu: rows of the item table")
   p.add_argument(
     "--dim", type=int, default=None, help="table width (default: 128 for w_tpu, 16 for main)"
@@ -83,6 +91,8 @@ def _parse(argv):
     value = getattr(args, name)
     if value is not None and value < 1:
       p.error(f"--{name} must be a positive int, got {value}")
+  if args.dynamic and (args.config or args.workload != "w_tpu"):
+    p.error("--dynamic compiles the w_tpu workload: pass --workload=w_tpu and no --config")
   return args
 
 
@@ -156,17 +166,25 @@ def main(argv=None) -> int:
     workload = compile_lib.dataclasses.replace(workload, table_options=options)
   reports = []
   print(HEADER, flush=True)
-  for topology in args.topology.split(","):
-    for pipeline in args.pipelines.split(","):
-      hlo_path = None
-      if args.hlo_dir:
-        os.makedirs(args.hlo_dir, exist_ok=True)
-        hlo_path = os.path.join(
-          args.hlo_dir, f"{topology.strip().replace(':', '_')}_{pipeline.strip()}.hlo.txt"
-        )
-      report = compile_lib.compile_step(
-        topology.strip(), workload, pipeline=pipeline.strip(), hlo_path=hlo_path
+  for topology in map(str.strip, args.topology.split(",")):
+
+    def hlo_path(pipeline, topology=topology):
+      if not args.hlo_dir:
+        return None
+      os.makedirs(args.hlo_dir, exist_ok=True)
+      return os.path.join(args.hlo_dir, f"{topology.replace(':', '_')}_{pipeline}.hlo.txt")
+
+    if args.dynamic:
+      from pallas_emb.pod_check import dynamic  # pylint: disable=g-import-not-at-top
+
+      vocabulary = pe.DynamicVocabulary(policy="lfu", evict_every=4, ttl=16, probe_limit=16)
+      new = dynamic.compile_pair(topology, workload, vocabulary, hlo_path)
+    else:
+      new = (  # lazily: each row prints as its compile ends
+        compile_lib.compile_step(topology, workload, pipeline=p, hlo_path=hlo_path(p))
+        for p in map(str.strip, args.pipelines.split(","))
       )
+    for report in new:
       reports.append(report)
       print(_row(report), flush=True)
   if args.json:

@@ -236,10 +236,19 @@ def compile_step(
   """
   tic = time.perf_counter()
   trainer, state, batch = build(topology, workload, pipeline)
-  emb = trainer.emb
   lowered = _jit_step.trace(trainer, state, batch, batch).lower(lowering_platforms=("tpu",))
   compiled = lowered.compile()
-  seconds = time.perf_counter() - tic
+  return report(
+    trainer.emb, workload, compiled, time.perf_counter() - tic, topology, pipeline, hlo_path
+  )
+
+
+def report(
+  emb, workload: Workload, compiled, seconds: float, topology: str, pipeline: str, hlo_path=None
+) -> dict:
+  """What one chip of `topology` holds and moves in the `compiled` step of
+  `emb`'s tables (`compile_step`'s report; the dynamic-vocabulary step of
+  `pod_check.dynamic` reads the same)."""
   mem = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -265,6 +274,7 @@ def compile_step(
       "dtype": str(np.dtype(spec.dtype)),
       "optimizer": type(spec.optimizer).__name__,
       "stochastic_rounding": spec.stochastic_rounding,
+      "dynamic_vocabulary": spec.vocabulary is not None,
       "rows_per_chip": rps,
       "table_bytes": table_bytes,
       "slot_bytes": slot_bytes,
