@@ -57,6 +57,15 @@ class RankingModel:
     return jnp.sum(per_example * weight) / jnp.maximum(jnp.sum(weight), 1.0), {"logits": logits}
 
 
+def item_history_loss(acts: Mapping[str, jax.Array], label: jax.Array) -> jax.Array:
+  """W-TPU's one-table model (`pod_check.dynamic`, `bench.tpu_check`): the
+  summed log-loss of the score <acts["item"], acts["history"]>, each (B, D)
+  float32 (the pooled item and the mean of its history); label (B,) in
+  {0, 1}."""
+  logits = jnp.sum(acts["item"] * acts["history"], -1)
+  return jnp.sum(jnp.logaddexp(0.0, logits) - label * logits)
+
+
 def build_ranking(
   dataset,
   mesh,

@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from pallas_emb.dynamic import VocabState
 from pallas_emb.embedding import ShardedEmbedding
 from pallas_emb.errors import ConfigError
+from pallas_emb.job.model import item_history_loss
 from pallas_emb.pod_check.compile import AXIS, Workload, report, topology_mesh
 from pallas_emb.spec import FeatureSpec, TableSpec
 from pallas_emb.vocabulary import DynamicVocabulary
@@ -49,12 +50,6 @@ def _embedding(workload: Workload, mesh, vocabulary: DynamicVocabulary | None):
   return ShardedEmbedding([spec], feats, mesh, AXIS, workload.backend)
 
 
-def _loss(acts, label):
-  item, history = (acts[k] for k in ("item", "history"))
-  logits = jnp.sum(item.astype(jnp.float32) * history.astype(jnp.float32), -1)
-  return jnp.sum(jnp.logaddexp(0.0, logits) - label * logits)
-
-
 def step_fn(emb: ShardedEmbedding):
   """The jitted training step of `emb`'s one table: (tables, vocabs, ids,
   label) -> (tables, vocabs, metrics) for a dynamic table (ids: (B, L, 2)
@@ -63,7 +58,7 @@ def step_fn(emb: ShardedEmbedding):
 
   def train(tables, rows, label):
     acts, res = emb.lookup(tables, rows)
-    grads = jax.grad(_loss)(acts, label)
+    grads = jax.grad(item_history_loss)(acts, label)
     return emb.apply_gradients(tables, res, grads)
 
   def dynamic(tables, vocabs, words, label):
