@@ -52,6 +52,7 @@ def test_bench_writes_the_documented_schema(tmp_path):
       "--optimizers=lazy_adam",
       "--optimizer_vocab=2000",
       f"--plot={tmp_path}/b.png",
+      f"--copy_bytes={1 << 24}",
     ],
     cwd=REPO,
     env=env,
@@ -62,6 +63,7 @@ def test_bench_writes_the_documented_schema(tmp_path):
   r = json.loads(out.read_text())
   assert {"cpus", "jax", "copy_bandwidth_gbps", "copy_bandwidth_end_gbps"} <= set(r["machine"])
   assert {"load_avg_at_start", "load_avg_at_end", "others_cpu_share"} <= set(r["machine"])
+  assert r["machine"]["copy_bytes"] == 1 << 24
   assert [w["vocab"] for w in r["workloads"]] == [1000, 20000]
   for w in r["workloads"]:
     assert {"vocab", "ids", "dim", "unique", "floor_ms", "methods"} <= set(w)

@@ -5,22 +5,24 @@ import os
 
 import nbformat
 import pytest
+from conftest import child_env
 from nbclient import NotebookClient
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(REPO, "colab", "quickstart.ipynb")
 
+CPU_DEVICES = 8
 # CI's sizes: enough steps to see learning, a benchmark of tiny tables.
-SMALL = """
+SMALL = f"""
 STEPS = 40
 BATCH_SIZE = 256
 EVAL_EVERY = 20
 EVAL_BATCHES = 2
-CPU_DEVICES = 8
+CPU_DEVICES = {CPU_DEVICES}
 BENCH_VOCAB = [10_000, 100_000]
 BENCH_IDS = 4096
 BENCH_STEPS = 3
-CHECKPOINT_DIR = {ckpt!r}
+CHECKPOINT_DIR = {{ckpt!r}}
 PALLAS_EMB_SOURCE = None
 """
 
@@ -38,8 +40,10 @@ def test_notebook_runs_on_cpu(tmp_path, monkeypatch):
   nb = nbformat.read(NOTEBOOK, as_version=4)
   (params,) = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
   params.source = SMALL.format(ckpt=str(tmp_path / "ckpt"))
-  # A fresh kernel: XLA_FLAGS is set by the notebook itself, as in Colab.
-  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  # A fresh kernel, as in Colab, with the device count the notebook asks
+  # for and the suite's compile flags beside it.
+  flags = child_env()["XLA_FLAGS"]
+  monkeypatch.setenv("XLA_FLAGS", f"--xla_force_host_platform_device_count={CPU_DEVICES} {flags}")
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
   monkeypatch.setenv("MPLBACKEND", "Agg")
   monkeypatch.setenv("PYTHONPATH", REPO)

@@ -19,12 +19,15 @@ BLOCK = re.compile(r"(<!-- ci:(\w+) -->\n)?```(python|bash)\n(.*?)```", re.S)
 BLOCKS = [(m.group(2), m.group(3), m.group(4)) for m in BLOCK.finditer(README)]
 
 
-def _env(lang: str) -> dict[str, str]:
+def _env(lang: str, code: str) -> dict[str, str]:
   env = child_env()
   if lang == "python":
     # The Python blocks ask for their devices with os.environ.setdefault, as
-    # a user would; the command-line programs add a count to XLA_FLAGS.
-    env.pop("XLA_FLAGS")
+    # a user would; the command-line programs add a count to XLA_FLAGS. A
+    # block gets the flags it asks for, and the suite's compile flags beside.
+    asked = re.search(r'os\.environ\.setdefault\("XLA_FLAGS", "([^"]*)"\)', code)
+    if asked:
+      env["XLA_FLAGS"] = f"{asked.group(1)} {env['XLA_FLAGS']}"
   return env
 
 
@@ -49,7 +52,7 @@ def test_readme_block_runs(index, tmp_path):
   proc = subprocess.run(
     ["timeout", "-k", "5", "420", *cmd],
     cwd=tmp_path,
-    env=_env(lang),
+    env=_env(lang, code),
     capture_output=True,
     text=True,
   )

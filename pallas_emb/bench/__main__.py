@@ -22,7 +22,7 @@ Tables, ours and FBGEMM's alike, are put on transparent huge pages
 timed steps, --profile_steps more steps of each fused method are profiled
 stage by stage (`pallas_emb.bench.stages`) into the workload's "profile".
 
-It also measures the memory bandwidth (a 1 GiB copy) and reports the floor
+It also measures the memory bandwidth (a 1 GiB copy, --copy_bytes) and reports the floor
 `bytes / bandwidth` with bytes = unique*D*4*2 + unique*4*2 + N*D*4 + N*4 (read
 and write each touched row and accumulator once, read each gradient row and id
 once), and, with --pipeline_steps, the examples/s of the main job's model with
@@ -91,6 +91,13 @@ flags.DEFINE_list(
   f"Optimizers to compare with FBGEMM's nearest on V = --optimizer_vocab: {', '.join(PAIRINGS)}.",
 )
 flags.DEFINE_integer("optimizer_vocab", 1_000_000, "Table size V of the --optimizers comparison.")
+flags.DEFINE_integer(
+  "copy_bytes",
+  1 << 30,
+  "Bytes of the array copy that measures the memory bandwidth (the floor's denominator) "
+  "at the start and the end.",
+  lower_bound=1 << 20,
+)
 flags.DEFINE_bool(
   "keep_freed_memory",
   True,
@@ -128,6 +135,7 @@ def main(argv) -> None:
       profile_steps=FLAGS.profile_steps,
       huge_pages=FLAGS.huge_pages,
       keep_freed_memory=FLAGS.keep_freed_memory,
+      copy_bytes=FLAGS.copy_bytes,
       optimizers=tuple(optimizers),
       optimizer_vocab=FLAGS.optimizer_vocab,
     )

@@ -58,7 +58,9 @@ def _load(machine: dict) -> str:
   if machine.get("others_cpu_share") is not None:
     text += f"; other processes took {machine['others_cpu_share']:.0%} of the cores"
   if "copy_bandwidth_gbps" in machine:
-    text += f"; a 1 GiB copy ran at {machine['copy_bandwidth_gbps']:.1f} GB/s"
+    size = machine.get("copy_bytes", 1 << 30) / 2**20
+    size = f"{size / 1024:g} GiB" if size >= 1024 else f"{size:g} MiB"
+    text += f"; a {size} copy ran at {machine['copy_bandwidth_gbps']:.1f} GB/s"
     if "copy_bandwidth_end_gbps" in machine:
       text += f" at the start, {machine['copy_bandwidth_end_gbps']:.1f} GB/s at the end"
   return text
