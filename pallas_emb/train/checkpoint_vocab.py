@@ -8,11 +8,14 @@ For the synchronous API (`ShardedEmbedding.admit` / `lookup` /
 back, as the `Checkpointer` of a `Trainer` does.
 
 Restored onto the same mesh, a run continues bit for bit as if never
-stopped. The maps are placed by shard (an id's owner is its key modulo the
-shard count), so a checkpoint restores only onto the shard count it was
-written with: another one is refused (`CheckpointMismatchError`) before any
-array is read. Resharding would re-insert every resident id and move its
-row; it is not implemented.
+stopped. Onto another shard count the maps are rebuilt: an id's owner is its
+key modulo the shard count, so every resident id is re-inserted into its new
+owner's window (`sharding.id_map.reshard`) and its table row and slots move
+with it, on the host. Its count and last step are kept; the sketch of ids
+not yet admitted starts empty; an id that finds no free slot in its new
+window is dropped, and counted in `VocabCheckpointer.resharded`. Resharded,
+a run goes on from the same resident ids and rows, not bit for bit: new rows
+are drawn from their new row numbers.
 """
 
 from __future__ import annotations
@@ -23,11 +26,15 @@ from typing import Any
 import jax
 import numpy as np
 
+from pallas_emb import packing
+from pallas_emb import state as state_lib
 from pallas_emb.dynamic import VocabState
 from pallas_emb.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from pallas_emb.state import TableState
 from pallas_emb.train.checkpoint_dir import CheckpointDir, StepUnreadable
+from sharding import id_map
 from sharding.id_map import IdMap
+from sharding.layout import RowLayout
 
 
 def _abstract(x) -> jax.ShapeDtypeStruct:
@@ -52,6 +59,11 @@ class VocabCheckpointer:
     max_to_keep: checkpoints kept.
     read_only: only restore.
 
+  Attributes:
+    resharded: after a restore onto another shard count, table name ->
+      {"kept": resident ids re-inserted, "dropped": ids that found no slot};
+      empty otherwise.
+
   Raises:
     CheckpointDirError: the directory cannot be written (unless read_only).
   """
@@ -59,6 +71,7 @@ class VocabCheckpointer:
   def __init__(self, directory: str, emb, max_to_keep: int = 3, read_only: bool = False):
     self.emb = emb
     self.dir = CheckpointDir(directory, max_to_keep=max_to_keep, writable=not read_only)
+    self.resharded: dict[str, dict[str, int]] = {}
 
   def _meta(self) -> dict:
     return {
@@ -70,6 +83,7 @@ class VocabCheckpointer:
           "dtype": str(np.dtype(g.spec.dtype)),
           "optimizer": type(g.spec.optimizer).__name__,
           "vocabulary": repr(g.spec.vocabulary),
+          "layout": g.spec.layout,
         }
         for g in self.emb.groups
       },
@@ -91,32 +105,128 @@ class VocabCheckpointer:
 
     Raises:
       CheckpointError: there is no checkpoint.
-      CheckpointMismatchError: written for other tables, vocabularies or
-        another shard count.
+      CheckpointMismatchError: written for other tables or vocabularies.
       CheckpointCorruptError: the step does not read back intact.
     """
     steps = self.dir.steps()
     if not steps:
       raise CheckpointError(f"no checkpoint to restore in {self.dir.path!r}.")
     step = steps[0] if step is None else step
+    self.resharded = {}
     try:
       meta = self.dir.read_meta(step)
       want = self._meta()
-      if {k: meta.get(k) for k in want} != want:
+      if meta.get("tables") != want["tables"]:
         raise CheckpointMismatchError(
-          f"checkpoint step {step} in {self.dir.path!r} was written for {meta.get('tables')} "
-          f"on {meta.get('num_shards')} shards, but this embedding has {want['tables']} on "
-          f"{want['num_shards']}; restore with the same specs and shard count (dynamic "
-          "vocabularies do not reshard), or use a new checkpoint directory."
+          f"checkpoint step {step} in {self.dir.path!r} was written for {meta.get('tables')}, "
+          f"but this embedding has {want['tables']}; restore with the same table specs, or "
+          "use a new checkpoint directory."
         )
       target = jax.tree.map(_abstract, _item(tables, vocabs))
+      if meta["num_shards"] != want["num_shards"]:
+        stacks = [g.name for g in self.emb.groups if g.members is not None]
+        if stacks:
+          # A stack's member offsets depend on the shard count.
+          raise CheckpointMismatchError(
+            f"checkpoint step {step} in {self.dir.path!r} was written on {meta['num_shards']} "
+            f"shards and this embedding has {want['num_shards']}, with stacked tables "
+            f"{stacks}: this checkpointer reshards unstacked tables only; restore on "
+            f"{meta['num_shards']} shards, or save with stacking off."
+          )
+        target = self._saved_shapes(target, meta["num_shards"])
       item = self.dir.read_state(step, target, meta)
     except StepUnreadable as e:
       raise CheckpointCorruptError(
         f"checkpoint step {step} in {self.dir.path!r} is not intact: {e}."
       ) from None
+    if meta["num_shards"] != want["num_shards"]:
+      item = self._reshard(item, meta["num_shards"])
     return (
       {k: TableState(d["table"], dict(d["slots"]), d["step"]) for k, d in item["tables"].items()},
       {k: VocabState(IdMap(**d["map"]), d["key"]) for k, d in item["vocabs"].items()},
       meta["extra"],
     )
+
+  def _layouts(self, name: str, saved_shards: int) -> tuple[RowLayout, RowLayout]:
+    """Physical table `name`'s layouts as written and now (a replicated
+    table's one shard is the same on any mesh)."""
+    new = self.emb.layout(name)
+    sharded = new.num_shards == self.emb.num_shards
+    return RowLayout(new.num_rows, saved_shards if sharded else 1, new.kind), new
+
+  def _saved_shapes(self, target: dict, saved_shards: int) -> dict:
+    """Host arrays shaped as written on `saved_shards` shards."""
+    out = {"tables": {}, "vocabs": {}}
+    for name, d in target["tables"].items():
+      spec = self.emb.table_spec(name)
+      old, _ = self._layouts(name, saved_shards)
+      n, rps = old.num_physical_rows, old.rows_per_shard
+      specs = spec.optimizer.slot_specs()
+      out["tables"][name] = {
+        "table": np.zeros(packing.table_shape(n, spec.dim, spec.dtype, rps), d["table"].dtype),
+        "slots": {
+          k: np.zeros(specs[k].shape_for(n, spec.dim, rps), v.dtype) for k, v in d["slots"].items()
+        },
+        "step": np.zeros((), np.int32),
+      }
+    for name, d in target["vocabs"].items():
+      v = self.emb.table_spec(name).vocabulary
+      old, _ = self._layouts(name, saved_shards)
+      depth = v.depth()
+      empty = id_map.init_map(
+        saved_shards, old.rows_per_shard, depth, v.width_for(old.rows_per_shard)
+      )
+      out["vocabs"][name] = {"map": empty._asdict(), "key": np.zeros(d["key"].shape, np.uint32)}
+    return out
+
+  def _reshard(self, item: dict, saved_shards: int) -> dict:
+    """`item` read as written on `saved_shards` shards, rebuilt for this
+    mesh: each map re-inserted, each resident row and its slots moved, each
+    static table resharded by its layout."""
+    tables, vocabs = {}, {}
+    for name, ts in item["tables"].items():
+      old, new = self._layouts(name, saved_shards)
+      if name in item["vocabs"]:
+        tables[name], vocabs[name] = self._reinsert(name, ts, item["vocabs"][name], new)
+      else:
+        spec = self.emb.table_spec(name)
+        stored = state_lib.reshard_table(spec, old, new, ts["table"])
+        tables[name] = self._place(
+          name, stored, state_lib.reshard_slots(spec, old, new, ts["slots"]), ts["step"]
+        )
+    return {"tables": tables, "vocabs": vocabs}
+
+  def _place(self, name: str, table, slots, step) -> dict:
+    """A table's host arrays, stored for this mesh, placed on it."""
+    rows = self.emb.table_sharding(name)
+    return {
+      "table": jax.device_put(table, rows),
+      "slots": {k: jax.device_put(x, rows) for k, x in slots.items()},
+      "step": jax.device_put(np.asarray(step, np.int32), self.emb.sharding(rows=False)),
+    }
+
+  def _reinsert(self, name: str, ts: dict, vocab: dict, new: RowLayout):
+    """(table, vocab) of dynamic table `name` for layout `new`: its map
+    re-inserted (`id_map.reshard`), each kept id's row and slots moved."""
+    spec = self.emb.table_spec(name)
+    v, rps = spec.vocabulary, new.rows_per_shard
+    sketch = id_map.init_map(new.num_shards, rps, v.depth(), v.width_for(rps)).sketch.shape
+    m, source, dropped = id_map.reshard(IdMap(**vocab["map"]), new, min(v.probe_limit, rps), sketch)
+    moved = np.flatnonzero(source >= 0)
+    self.resharded[name] = {"kept": int(moved.size), "dropped": dropped}
+    # Rows nobody holds are reset when an id takes them: zeros, fresh slots.
+    rows = packing.table_rows(np.asarray(ts["table"]), spec.dim, spec.dtype)
+    table = np.zeros((new.num_physical_rows, rows.shape[1]), rows.dtype)
+    table[moved] = rows[source[moved]]
+    specs, slots = spec.optimizer.slot_specs(), {}
+    for k, x in ts["slots"].items():
+      flat = specs[k].as_rows(np.asarray(x), spec.dim)
+      out = np.full((new.num_physical_rows, flat.shape[1]), specs[k].init, flat.dtype)
+      out[moved] = flat[source[moved]]
+      slots[k] = specs[k].as_stored(out, spec.dim, rps)
+    stored = packing.table_stored(table, spec.dim, spec.dtype, rps)
+    where = IdMap(*(self.emb.sharding(rows=r) for r in (True,) * 5 + (False,)))
+    return self._place(name, stored, slots, ts["step"]), {
+      "map": {k: jax.device_put(x, s) for (k, x), s in zip(m._asdict().items(), where)},
+      "key": jax.device_put(np.asarray(vocab["key"], np.uint32), self.emb.sharding(rows=False)),
+    }
