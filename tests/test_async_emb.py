@@ -359,6 +359,10 @@ def _run_sync_reference(emb, batches, stale):
   return emb.logical_table(tables, "t"), jax.device_get(params)
 
 
+# The quick loop's subset (conftest): the 8-device Explicit mesh.
+QUICK = {"test_async_pipeline_equals_sync_loop_one_step_stale": lambda p: p["kind"] == "explicit"}
+
+
 @pytest.mark.parametrize("num_devices,kind", [(1, "auto"), (8, "auto"), (8, "explicit")])
 def test_async_pipeline_equals_sync_loop_one_step_stale(num_devices, kind):
   emb = _emb(num_devices, kind=kind)

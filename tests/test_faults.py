@@ -181,6 +181,10 @@ def test_checksum_is_the_same_on_devices_and_host_and_sees_one_bit(dtype, rows, 
 # -- checkpoint corruption ---------------------------------------------------------
 
 
+# The quick loop's subset (conftest): two of the six random offsets.
+QUICK = {"test_bit_flip_at_a_random_offset_is_found": lambda p: p["seed"] < 2}
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_bit_flip_at_a_random_offset_is_found(saved, tmp_path, seed):
   work = _copy(saved, tmp_path)

@@ -85,7 +85,8 @@ CASES = ["full_chunks", "partial_last_chunk", "padding_last", "all_padding", "ap
 # The quick loop's subset (conftest.pytest_collection_modifyitems): every
 # optimizer and dtype on the case that crosses full chunks into a partial one,
 # every case on LazyAdam (the most DMAs per row), LazyAdam bf16 under
-# shard_map and in SMEM windows, and the race the detector must find.
+# shard_map and in SMEM windows, the race the detector must find, and the
+# TPU lowering for one generation.
 QUICK = {
   "test_fused_update_equals_xla_bit_for_bit": lambda p: (
     p["case"] == "partial_last_chunk"
@@ -96,6 +97,9 @@ QUICK = {
   ),
   "test_ids_stream_through_smem_in_windows": lambda p: isinstance(p["opt"], pe.LazyAdam),
   "test_race_detector_sees_duplicate_ids_and_nothing_else": lambda p: p["duplicate"],
+  # Every optimizer and dtype lowered for one TPU generation.
+  "test_fused_update_lowers_for_tpu": lambda p: p["kind"] == tpu_lowering.DEVICE_KINDS[0],
+  "test_gather_lowers_for_tpu": lambda p: p["kind"] == tpu_lowering.DEVICE_KINDS[0],
 }
 
 

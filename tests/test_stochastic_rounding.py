@@ -73,6 +73,10 @@ def _state(opt, dim, rng, num_rows=256):
   return table, slots
 
 
+# The quick loop's subset (conftest): both optimizers on packed rows.
+QUICK = {"test_kernel_equals_xla_path_bit_for_bit": lambda p: p["dim"] == 16}
+
+
 @pytest.mark.parametrize("dim", [16, 256], ids=["d16_packed", "d256"])
 @pytest.mark.parametrize(
   "opt", [pe.RowWiseAdagrad(0.1), pe.LazyAdam(0.05)], ids=["RowWiseAdagrad", "LazyAdam"]
