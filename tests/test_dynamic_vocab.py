@@ -67,14 +67,6 @@ def test_equals_reference(num_devices, policy, stream):
   _check_against_reference(num_devices, policy, stream)
 
 
-# The quick loop's subset (conftest): every policy on 8 devices, and the
-# restore onto more shards.
-QUICK = {
-  "test_equals_reference": lambda p: p["num_devices"] == 8,
-  "test_checkpoint_restores_onto_another_shard_count": lambda p: p["devices"] == 4,
-}
-
-
 @pytest.mark.parametrize("num_devices", [1, 8])
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_equals_reference_through_evictions(num_devices, policy):
