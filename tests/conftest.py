@@ -25,7 +25,9 @@ program's code generated as one module, not split for threads that two cores
 do not have (`--xla_cpu_parallel_codegen_split_count=1`: 10% less CPU time
 again); and one persistent compilation cache per run, in a fresh directory
 that every subprocess inherits (the job, README blocks, benchmarks), reads
-back what another module or process compiled before. A jaxlib that no longer
+back what another module or process compiled before (or, given
+`JAX_COMPILATION_CACHE_DIR`, that directory: the quick loop keeps one across
+runs, so an edit recompiles only the programs it changed). A jaxlib that no longer
 knows the last two flags would abort on them, so they are set only after a
 child process accepted them (once per run: the answer travels in the
 environment).
@@ -89,11 +91,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _cache_dir = tempfile.mkdtemp(prefix="pallas_emb_tests_jit_")
   atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
-  os.environ.update(
-    JAX_COMPILATION_CACHE_DIR=_cache_dir,
-    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-  )
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+# Every program is cached, however quick its compile. (No size cap: JAX's
+# needs the `filelock` package, without which every cache read fails.)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402  (must follow the flags)
 import numpy as np  # noqa: E402

@@ -51,10 +51,11 @@ streams = st.lists(
 )
 
 
-# The quick loop's subset (conftest): every policy on 8 devices, and the
-# restore onto more shards.
+# The quick loop's subset (conftest): every policy against the reference on 8
+# devices, through evictions on 1, and the restore onto more shards.
 QUICK = {
   "test_equals_reference": lambda p: p["num_devices"] == 8,
+  "test_equals_reference_through_evictions": lambda p: p["num_devices"] == 1,
   "test_checkpoint_restores_onto_another_shard_count": lambda p: p["devices"] == 4,
 }
 
@@ -361,6 +362,7 @@ def test_async_victims_are_not_the_previous_steps_ids():
   assert int(vm["t"].evictions) > 0  # now two steps old: evictable
 
 
+@pytest.mark.slow  # a benchmark program
 def test_drift_benchmark_compares_three_tables_in_one_run():
   from pallas_emb.bench import drift
 

@@ -310,6 +310,7 @@ def test_verify_command_names_the_corrupt_step(saved, tmp_path, capsys):
   assert verify.main([str(tmp_path / "nope")]) == 2
 
 
+@pytest.mark.slow  # a child process of its own
 def test_verify_command_runs_as_a_module(saved):
   out = subprocess.run(
     ["timeout", "-k", "5", "120", sys.executable, "-m", "pallas_emb.verify", saved["dir"]],
@@ -449,6 +450,7 @@ except CheckpointDirError as e:
 """
 
 
+@pytest.mark.slow  # a child process of its own
 def test_failed_save_does_not_hang_the_process(tmp_path):
   # orbax's asynchronous save left non-daemon threads waiting 20 minutes for
   # a directory that never came, and the process hung at exit.
@@ -477,6 +479,7 @@ for step in range(1, 1000):
 """
 
 
+@pytest.mark.slow  # a child process of its own
 def test_sigkill_during_save_leaves_only_intact_steps(tmp_path):
   directory = str(tmp_path / "ck")
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}

@@ -16,6 +16,9 @@ from pallas_emb import async_emb
 
 V, D, B = 48, 8, 16
 
+# The quick loop's subset (conftest): stacked features with clipping on.
+QUICK = {"test_stacked_weighted_and_ragged_features_equal_unstacked": lambda p: p["max_norm"]}
+
 
 def _emb(num_devices, combiner, opt=None):
   table = pe.TableSpec("t", V, D, optimizer=opt or pe.SGD(1.0))

@@ -168,13 +168,16 @@ def test_packed_kernels_equal_xla_d32_d64(opt, dim):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dim", [8, 32])
+@pytest.mark.parametrize(
+  "dtype,dim,seed",
+  [(jnp.bfloat16, 8, 2), (jnp.bfloat16, 32, 2), (jnp.float32, 8, 3)],
+  ids=["bf16-8", "bf16-32", "f32-8"],
+)
 @pytest.mark.parametrize("opt", OPTIMIZERS[2:4], ids=OPT_IDS[2:4])
-def test_packed_kernels_equal_xla_bf16_and_d8(opt, dim):
+def test_packed_kernels_equal_xla_bf16_and_d8(opt, dtype, dim, seed):
   # bf16 rows of 32 (16 words, 8 to a physical row) beside f32 slots (4 to
   # a physical row): each array has its own shift; f32 rows of 8: 16 to a row.
-  _kernel_case(opt, jnp.bfloat16, dim)
-  _kernel_case(opt, jnp.float32, 8, seed=3)
+  _kernel_case(opt, dtype, dim, seed)
 
 
 def test_race_detector_finds_no_race_in_runs_of_a_physical_row():

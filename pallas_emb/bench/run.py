@@ -64,6 +64,10 @@ class BenchConfig:
 # table itself: the gradient and XLA's temporaries of its update (measured
 # at V = 10M: the process grew past 14 GB beside a 5.1 GB table).
 DENSE_TABLE_BUFFERS = 2
+# Below this table size the dense step runs in this process: its buffers are
+# small beside what the heap holds, and a child process costs seconds (a
+# JAX start and a compile) per workload.
+DENSE_IN_PROCESS_BYTES = 64 << 20
 
 
 def _dense_does_not_fit(table_bytes: int) -> str | None:
@@ -123,8 +127,9 @@ def run_workload(
     # the table; on the heap this process keeps (`keep_freed_memory`), next
     # to the others' tables, W2 (V = 10M: 5.1 GB a table) grew past 24 GB.
     # So it runs after the others, their tables freed, and in a child
-    # process of its own when anything else ran here.
-    if list(methods) == ["dense"]:
+    # process of its own when anything else ran here and its table is not
+    # small.
+    if list(methods) == ["dense"] or vocab * dim * 4 <= DENSE_IN_PROCESS_BYTES:
       why = _dense_does_not_fit(vocab * dim * 4)
       if why is None:
         summary |= time_steps([Dense(shared, ids, grads)], steps, warmup)

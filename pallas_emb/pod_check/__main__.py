@@ -16,11 +16,14 @@ libtpu has nothing to reach.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 
 from pallas_emb.pod_check import env
+
+EXAMPLES_PER_CHIP = 4096  # W-TPU's batch per chip
 
 
 def _parse(argv):
@@ -76,7 +79,13 @@ def _parse(argv):
     choices=sorted(OPTIMIZERS),
     help="the embedding optimizer of every table",
   )
-  p.add_argument("--examples_per_chip", type=int, default=4096)
+  p.add_argument(
+    "--examples_per_chip",
+    type=int,
+    default=None,
+    help=f"the batch per chip (default {EXAMPLES_PER_CHIP}; with --config, the file's if it "
+    "sets one, which this flag overrides)",
+  )
   p.add_argument("--unique_capacity", type=int, default=None)
   p.add_argument("--route_capacity", type=int, default=None)
   p.add_argument(
@@ -144,16 +153,16 @@ def main(argv=None) -> int:
 
   kw = dict(
     dtype=jnp.dtype(args.dtype),
-    examples_per_chip=args.examples_per_chip,
+    examples_per_chip=args.examples_per_chip or EXAMPLES_PER_CHIP,
     optimizer=OPTIMIZERS[args.optimizer](pe),
     stacking=args.stacking,
   )
   if args.config:
     from pallas_emb.pod_check import config  # pylint: disable=g-import-not-at-top
 
-    workload = config.load(
-      args.config, examples_per_chip=args.examples_per_chip, stacking=args.stacking
-    )
+    workload = config.load(args.config, examples_per_chip=EXAMPLES_PER_CHIP, stacking=args.stacking)
+    if args.examples_per_chip:  # given on the command line: it wins over the file
+      workload = dataclasses.replace(workload, examples_per_chip=args.examples_per_chip)
   elif args.workload == "w_tpu":
     workload = compile_lib.w_tpu(args.vocab, args.dim or 128, **kw)
   elif args.workload == "dlrm":
@@ -163,7 +172,7 @@ def main(argv=None) -> int:
   if caps:
     tables = {f.table for f in workload.features}
     options = {t: {**workload.table_options.get(t, {}), **caps} for t in tables}
-    workload = compile_lib.dataclasses.replace(workload, table_options=options)
+    workload = dataclasses.replace(workload, table_options=options)
   reports = []
   print(HEADER, flush=True)
   for topology in map(str.strip, args.topology.split(",")):
