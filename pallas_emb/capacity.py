@@ -65,7 +65,24 @@ class Capacities:
     route = spec.route_capacity
     if route is None:
       even = shards > 1 and layout.kind == "mod"
-      route = int(ROUTE_HEADROOM * unique / shards) + ROUTE_SLACK if even else unique
+      route = _even_share(unique, shards) if even else unique
     route = round_up(min(route, unique, rps), ROW_ALIGNMENT)
     owner = min(shards * route, rps)
     return cls(unique=unique, route=route, owner=owner)
+
+
+def _even_share(ids: int, shards: int) -> int:
+  return int(ROUTE_HEADROOM * ids / shards) + ROUTE_SLACK
+
+
+def key_capacity(spec: TableSpec, num_shards: int, tokens_per_shard: int) -> int:
+  """Distinct raw ids one data shard sends one owner's id map per step.
+
+  For a dynamic vocabulary (`sharding.key_route`): `spec.route_capacity` if
+  set, else the even share of the tokens with headroom (keys go to owners
+  by hash, so they spread evenly), at most the tokens. Unlike `route`, not
+  capped by the rows: ids beyond them still count toward admission.
+  """
+  tokens = max(tokens_per_shard, 1)
+  cap = spec.route_capacity or (_even_share(tokens, num_shards) if num_shards > 1 else tokens)
+  return round_up(min(cap, tokens), ROW_ALIGNMENT)

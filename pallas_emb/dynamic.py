@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pallas_emb import packing, programs
+from pallas_emb.capacity import key_capacity
 from pallas_emb.errors import InputError, SpecError
 from pallas_emb.inputs import ids_of, with_ids
 from pallas_emb.sharded_table import ShardedTable
@@ -110,11 +111,12 @@ def _reset(t: ShardedTable, table, slots, reset, key, step):
   return table, out
 
 
-def _translate_args(t: ShardedTable, train: bool):
+def _translate_args(t: ShardedTable, tokens: int, train: bool):
   v: DynamicVocabulary = t.spec.vocabulary
   return dict(
     layout=t.layout,
     axis_name=t.axis,
+    key_capacity=key_capacity(t.spec, t.num_shards, tokens),
     probe_limit=min(v.probe_limit, t.layout.rows_per_shard),
     admit_after=v.admit_after,
     policy=v.policy,
@@ -145,7 +147,7 @@ def admit(t: ShardedTable, state: TableState, vs: VocabState, words: tuple[jax.A
     m, key, words = IdMap(*args[:6]), args[6], args[7:]
     flat = jnp.concatenate([w.reshape(-1, 2) for w in words])
     step = m.step
-    m, tr = id_map.translate(m, flat, **_translate_args(t, True))
+    m, tr = id_map.translate(m, flat, **_translate_args(t, flat.shape[0], True))
     table, slots = _reset(t, table, slots, tr.reset, key, step)
     return _split(tr.rows, words), table, slots, m, VocabMetrics(*tr[2:])
 
@@ -164,9 +166,8 @@ def read(t: ShardedTable, vs: VocabState, words: tuple[jax.Array, ...]):
 
   def fn(*args):
     m, words = IdMap(*args[:6]), args[6:]
-    _, tr = id_map.translate(
-      m, jnp.concatenate([w.reshape(-1, 2) for w in words]), **_translate_args(t, False)
-    )
+    flat = jnp.concatenate([w.reshape(-1, 2) for w in words])
+    _, tr = id_map.translate(m, flat, **_translate_args(t, flat.shape[0], False))
     return _split(tr.rows, words), VocabMetrics(*tr[2:])
 
   return programs.per_device(t, fn, [*_MAP_SPECS] + [ROWS] * len(words), (ROWS, REPLICATED))(

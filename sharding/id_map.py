@@ -13,10 +13,11 @@ tombstones).
 
 One step (`translate`), on every device:
 
-1. every device's keys are gathered (all_gather), so each owner sees the
-   keys it owns from every source; it sorts them (high, low) and dedups
-   them, summing their occurrences. The rank of a key in that order is its
-   priority in every conflict below;
+1. each source sends each of its distinct keys, with its occurrences, to
+   its owner (`sharding.key_route`: one all_to_all, `key_capacity` keys per
+   owner); each owner sorts what it received (high, low) and dedups it,
+   summing the occurrences. The rank of a key in that order is its priority
+   in every conflict below;
 2. when training: a sweep on every `evict_every`-th step (LFU counts times
    `decay`; ids idle for `ttl` steps or more evicted); resident keys are
    found in their window (count += occurrences, last = step); the others
@@ -31,14 +32,12 @@ One step (`translate`), on every device:
    its occurrences this step or its sketch estimate: TinyLFU's rule, so a
    one-off does not push out a frequent id), and the rest fail. A new key
    starts with count = its occurrences;
-3. each owner answers the logical row of every gathered key (or a miss),
-   the answers are summed over devices (one owner answers each key), and
-   each source keeps its own.
+3. each owner answers the logical row of every key it received (or a
+   miss), and the answers go back to the sources by the same route.
 
-The cost is O(num_shards x ids per shard) per device for the gather and the
-sort: the translation does not follow the pod-scale rule of the static path
-(which routes only what a shard owns); the rows it yields do go through the
-static path's routing. Evaluation (`train=False`) reads only.
+Per device the cost follows its own tokens, as in the static path: it sorts
+its tokens, and sends, dedups and answers `num_shards x key_capacity` keys.
+Evaluation (`train=False`) reads only.
 """
 
 from __future__ import annotations
@@ -49,9 +48,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sharding import key_route
+from sharding.key_route import PAD
 from sharding.layout import RowLayout
 
-PAD = np.uint32(0xFFFFFFFF)
 # Rows of a token: -1 padding (as the static path), MISS when no row.
 MISS = -2
 _MUL1, _MUL2 = np.uint32(0x85EBCA6B), np.uint32(0xC2B2AE35)
@@ -131,15 +131,14 @@ def init_map(num_shards: int, capacity: int, depth: int, width: int) -> IdMap:
   )
 
 
-def _gather(x, axis_name):
-  return jax.lax.all_gather(x, axis_name, tiled=True)
-
-
-def _dedup(hi, lo, owned):
-  """Sorted distinct owned keys: (u_hi, u_lo, u_count, u_valid, token_uid)."""
+def _dedup(hi, lo, count):
+  """Sorted distinct keys of the slots with a count, their counts summed:
+  (u_hi, u_lo, u_count, u_valid, slot_uid)."""
   n = hi.shape[0]
   idx = jnp.arange(n, dtype=jnp.int32)
-  k0, sh, sl, sidx = jax.lax.sort(((~owned).astype(jnp.uint32), hi, lo, idx), num_keys=3)
+  k0, sh, sl, sidx, scount = jax.lax.sort(
+    ((count <= 0).astype(jnp.uint32), hi, lo, idx, count), num_keys=3
+  )
   sown = k0 == 0
   first = jnp.concatenate([jnp.ones((1,), bool), (sh[1:] != sh[:-1]) | (sl[1:] != sl[:-1])])
   new = sown & first
@@ -147,10 +146,10 @@ def _dedup(hi, lo, owned):
   at = jnp.where(new, uid, n)
   u_hi = jnp.zeros((n,), jnp.uint32).at[at].set(sh, mode="drop")
   u_lo = jnp.zeros((n,), jnp.uint32).at[at].set(sl, mode="drop")
-  u_count = jax.ops.segment_sum(sown.astype(jnp.int32), jnp.where(sown, uid, n), num_segments=n)
+  u_count = jax.ops.segment_sum(jnp.where(sown, scount, 0), jnp.where(sown, uid, n), num_segments=n)
   u_valid = idx < jnp.sum(new, dtype=jnp.int32)
-  token_uid = jnp.zeros((n,), jnp.int32).at[sidx].set(uid, unique_indices=True)
-  return u_hi, u_lo, u_count, u_valid, token_uid
+  slot_uid = jnp.zeros((n,), jnp.int32).at[sidx].set(uid, unique_indices=True)
+  return u_hi, u_lo, u_count, u_valid, slot_uid
 
 
 def _claim(slot, want, rank, claims):
@@ -214,6 +213,7 @@ def translate(
   *,
   layout: RowLayout,
   axis_name,
+  key_capacity: int,
   probe_limit: int,
   admit_after: int,
   policy: str,
@@ -231,6 +231,8 @@ def translate(
       padding.
     layout: the table's rows (capacity = `layout.rows_per_shard`); slots
       whose physical row holds no logical row are never used.
+    key_capacity: distinct keys this source may send one owner
+      (`sharding.key_route`); the tokens of keys beyond it get no row.
     train: False reads only: nothing is counted, inserted or evicted.
 
   Returns:
@@ -239,9 +241,10 @@ def translate(
   shards, capacity = layout.num_shards, layout.rows_per_shard
   me = jax.lax.axis_index(axis_name)
   valid = ~((words[:, 0] == PAD) & (words[:, 1] == PAD))
-  hi, lo, valid_all = (_gather(x, axis_name) for x in (words[:, 0], words[:, 1], valid))
-  owned = valid_all & ((hi % np.uint32(shards)).astype(jnp.int32) == me)
-  u_hi, u_lo, u_cnt, u_valid, token_uid = _dedup(hi, lo, owned)
+  route = key_route.plan(
+    words[:, 0], words[:, 1], valid, num_shards=shards, capacity=key_capacity, axis_name=axis_name
+  )
+  u_hi, u_lo, u_cnt, u_valid, slot_uid = _dedup(route.recv_hi, route.recv_lo, route.recv_count)
   n = u_hi.shape[0]
   rank = jnp.arange(n, dtype=jnp.int32)
   usable = layout.logical_of(me * capacity + jnp.arange(capacity, dtype=jnp.int32)) >= 0
@@ -300,11 +303,8 @@ def translate(
     failed = jnp.sum(left, dtype=jnp.int32)
     m = m._replace(step=step + 1)
   row = jnp.where(slot >= 0, layout.logical_of(me * capacity + jnp.maximum(slot, 0)), MISS)
-  answer = jnp.where(owned, row[jnp.maximum(token_uid, 0)] + 3, 0)
-  answer = jax.lax.psum(answer, axis_name) - 3
-  t = words.shape[0]
-  mine = jax.lax.dynamic_slice(answer, (me * t,), (t,))
-  rows = jnp.where(valid, mine, -1)
+  answer = jnp.where(slot_uid >= 0, row[jnp.maximum(slot_uid, 0)], MISS)
+  rows = jnp.where(valid, key_route.answer(route, answer, axis_name=axis_name, fill=MISS), -1)
   total = lambda x: jax.lax.psum(x, axis_name)
   return m, Translation(
     rows=rows,

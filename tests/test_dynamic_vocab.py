@@ -145,6 +145,27 @@ def test_not_admitted_ids_never_take_or_change_a_row(stream):
       assert seen[int(x)] >= 3
 
 
+def test_ids_over_the_key_route_capacity_miss_and_take_no_other_ids_row():
+  # 2 shards, 64 ids per shard, each distinct, at most 8 sent to each owner:
+  # about 24 of each shard's 32 per owner are dropped. They read no row and
+  # count as misses; the ids sent are admitted into distinct rows.
+  spec = pe.TableSpec("t", 256, 8, vocabulary=DynamicVocabulary(probe_limit=8), route_capacity=8)
+  emb = pe.ShardedEmbedding([spec], [pe.FeatureSpec("f", "t")], make_mesh(2), backend="xla")
+  tables, vocabs = emb.init(jax.random.key(0)), emb.init_vocabularies(jax.random.key(1))
+  raw = (np.arange(128, dtype=np.int64) * 104729 + 7).reshape(64, 2)
+  rows, tables, vocabs, vm = emb.admit(tables, vocabs, {"f": raw})
+  rows = np.asarray(rows["f"]).ravel()
+  got = rows >= 0
+  assert set(rows[~got].tolist()) == {-2}
+  assert int(vm["t"].misses) == int((~got).sum()) > 0
+  assert int(vm["t"].inserts) == int(got.sum()) <= 2 * 2 * 8  # sources x owners x capacity
+  assert len(set(rows[got].tolist())) == got.sum()  # no two ids share a row
+  assert sorted(emb.resident_ids(vocabs, "t").tolist()) == sorted(raw.ravel()[got].tolist())
+  # The ids sent are found again; the dropped ones still miss.
+  again, _ = emb.read_rows(vocabs, {"f": raw})
+  np.testing.assert_array_equal(np.asarray(again["f"]).ravel()[got], rows[got])
+
+
 def test_lfu_keeps_the_frequent_ids_of_a_zipf_stream():
   capacity, distinct, batch = 256, 2560, 256
   vocab = DynamicVocabulary(policy="lfu", probe_limit=8)

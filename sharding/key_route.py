@@ -1,0 +1,111 @@
+"""Moving 64-bit keys to the shards that own them, and answers back.
+
+The dynamic vocabulary's counterpart of `sharding.route`: every function
+here runs inside `jax.shard_map` over the table axis, each device being at
+once a *source* (it holds a data shard's raw ids, as (high, low) uint32 key
+words) and an *owner* (it holds the id map of its row shard,
+`sharding.id_map`). A key's owner is its high word modulo the shard count
+(the words are well-mixed hashes, so keys spread evenly).
+
+A source sorts its keys by (owner, high, low) and sends each distinct key
+once, with its number of occurrences, in a buffer of `num_shards *
+capacity` slots (one block per owner), by one all_to_all per array. The
+owner answers one value per slot it received (the key's row), and the same
+plan returns the answers: every token takes its key's slot's answer. So a
+chip sorts, sends and answers about `num_shards * capacity` keys (1.25 x its
+tokens, plus a slack, with the default capacity), whatever the chip count.
+
+A source with more than `capacity` distinct keys for one owner drops the
+rest (their tokens get no row) and counts them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PAD = np.uint32(0xFFFFFFFF)  # both words of an empty slot (and of padding)
+
+
+class KeyRoute(NamedTuple):
+  """One device's routing of its tokens' keys (see the module docstring).
+
+  Attributes:
+    token_slot: (T,) int32 send slot `owner * capacity + position` of each
+      token's key, -1 for padding or a key dropped for capacity.
+    recv_hi, recv_lo: (num_shards * capacity,) uint32 keys this owner
+      received, one block per source; (PAD, PAD) for an empty slot.
+    recv_count: (num_shards * capacity,) int32 occurrences of each received
+      key at its source, 0 for an empty slot.
+    dropped: () int32 distinct keys this source could not send.
+    demand: () int32 the most distinct keys this source had for one owner.
+  """
+
+  token_slot: jax.Array
+  recv_hi: jax.Array
+  recv_lo: jax.Array
+  recv_count: jax.Array
+  dropped: jax.Array
+  demand: jax.Array
+
+
+def _exchange(x: jax.Array, axis_name) -> jax.Array:
+  """all_to_all of equal blocks along axis 0: block j goes to device j."""
+  return jax.lax.all_to_all(x, axis_name, 0, 0, tiled=True)
+
+
+def plan(
+  hi: jax.Array, lo: jax.Array, valid: jax.Array, *, num_shards: int, capacity: int, axis_name
+) -> KeyRoute:
+  """Buckets this source's distinct keys by owner and sends them.
+
+  Args:
+    hi, lo: (T,) uint32 key words of this source's tokens.
+    valid: (T,) bool false for padding.
+    num_shards: size of `axis_name`.
+    capacity: distinct keys one source may send to one owner.
+    axis_name: the mesh axis the table is sharded over.
+  """
+  t = hi.shape[0]
+  slots = num_shards * capacity
+  owner = jnp.where(valid, (hi % np.uint32(num_shards)).astype(jnp.int32), num_shards)
+  idx = jnp.arange(t, dtype=jnp.int32)
+  so, sh, sl, sidx = jax.lax.sort((owner, hi, lo, idx), num_keys=3)
+  has = so < num_shards
+  first = jnp.concatenate(
+    [jnp.ones((1,), bool), (so[1:] != so[:-1]) | (sh[1:] != sh[:-1]) | (sl[1:] != sl[:-1])]
+  )
+  new = has & first
+  rank = jnp.cumsum(new, dtype=jnp.int32) - 1  # of each token's key among the distinct keys
+  # An owner's keys are one run of the sorted order: the rank of its first
+  # key, carried along the run by a running max (ranks ascend), gives each
+  # key's position in its owner's block.
+  starts = new & jnp.concatenate([jnp.ones((1,), bool), so[1:] != so[:-1]])
+  position = rank - jax.lax.cummax(jnp.where(starts, rank, -1))
+  fits = has & (position < capacity)
+  slot = jnp.where(fits, so * capacity + position, -1)
+  at = jnp.where(new & fits, slot, slots)
+  send = lambda v, fill: jnp.full((slots,), fill, v.dtype).at[at].set(v, mode="drop")
+  count = jax.ops.segment_sum(
+    fits.astype(jnp.int32), jnp.where(fits, slot, slots), num_segments=slots
+  )
+  return KeyRoute(
+    token_slot=jnp.zeros((t,), jnp.int32).at[sidx].set(slot, unique_indices=True),
+    recv_hi=_exchange(send(sh, PAD), axis_name),
+    recv_lo=_exchange(send(sl, PAD), axis_name),
+    recv_count=_exchange(count, axis_name),
+    dropped=jnp.sum(new & ~fits, dtype=jnp.int32),
+    demand=jnp.max(jnp.where(has, position, -1)) + 1,
+  )
+
+
+def answer(route: KeyRoute, values: jax.Array, *, axis_name, fill) -> jax.Array:
+  """(T,) each token's value: `values` (num_shards * capacity,), the
+  owner's answer per slot it received, sent back to the sources; `fill`
+  for a token without a slot."""
+  back = _exchange(values, axis_name)
+  at = jnp.maximum(route.token_slot, 0)
+  return jnp.where(route.token_slot >= 0, back[at], jnp.asarray(fill, values.dtype))
