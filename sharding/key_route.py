@@ -16,7 +16,7 @@ chip sorts, sends and answers about `num_shards * capacity` keys (1.25 x its
 tokens, plus a slack, with the default capacity), whatever the chip count.
 
 A source with more than `capacity` distinct keys for one owner drops the
-rest (their tokens get no row) and counts them.
+rest: their tokens get no row (the map counts them as misses).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from sharding.route import exchange
 
 PAD = np.uint32(0xFFFFFFFF)  # both words of an empty slot (and of padding)
 
@@ -40,21 +42,12 @@ class KeyRoute(NamedTuple):
       received, one block per source; (PAD, PAD) for an empty slot.
     recv_count: (num_shards * capacity,) int32 occurrences of each received
       key at its source, 0 for an empty slot.
-    dropped: () int32 distinct keys this source could not send.
-    demand: () int32 the most distinct keys this source had for one owner.
   """
 
   token_slot: jax.Array
   recv_hi: jax.Array
   recv_lo: jax.Array
   recv_count: jax.Array
-  dropped: jax.Array
-  demand: jax.Array
-
-
-def _exchange(x: jax.Array, axis_name) -> jax.Array:
-  """all_to_all of equal blocks along axis 0: block j goes to device j."""
-  return jax.lax.all_to_all(x, axis_name, 0, 0, tiled=True)
 
 
 def plan(
@@ -94,11 +87,9 @@ def plan(
   )
   return KeyRoute(
     token_slot=jnp.zeros((t,), jnp.int32).at[sidx].set(slot, unique_indices=True),
-    recv_hi=_exchange(send(sh, PAD), axis_name),
-    recv_lo=_exchange(send(sl, PAD), axis_name),
-    recv_count=_exchange(count, axis_name),
-    dropped=jnp.sum(new & ~fits, dtype=jnp.int32),
-    demand=jnp.max(jnp.where(has, position, -1)) + 1,
+    recv_hi=exchange(send(sh, PAD), axis_name),
+    recv_lo=exchange(send(sl, PAD), axis_name),
+    recv_count=exchange(count, axis_name),
   )
 
 
@@ -106,6 +97,6 @@ def answer(route: KeyRoute, values: jax.Array, *, axis_name, fill) -> jax.Array:
   """(T,) each token's value: `values` (num_shards * capacity,), the
   owner's answer per slot it received, sent back to the sources; `fill`
   for a token without a slot."""
-  back = _exchange(values, axis_name)
+  back = exchange(values, axis_name)
   at = jnp.maximum(route.token_slot, 0)
   return jnp.where(route.token_slot >= 0, back[at], jnp.asarray(fill, values.dtype))

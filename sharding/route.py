@@ -177,7 +177,7 @@ def plan_route(
     .at[_drop_negative(slot, num_slots)]
     .set(keys - owner * rows_per_shard, mode="drop", unique_indices=True)
   )
-  recv_rows = _exchange(send_rows, axis_name)
+  recv_rows = exchange(send_rows, axis_name)
   slot_owner = jnp.arange(num_slots, dtype=jnp.int32) // route_capacity
   send_keys = jnp.where(send_rows >= 0, send_rows + slot_owner * rows_per_shard, SENTINEL)
   if num_shards == 1 and owner_capacity >= num_slots:
@@ -237,7 +237,7 @@ def to_owners(plan: RoutePlan, values: jax.Array, *, axis_name) -> jax.Array:
     return send
   owner_capacity = plan.owner_rows.shape[0]
   return jax.ops.segment_sum(
-    _exchange(send, axis_name),
+    exchange(send, axis_name),
     _drop_negative(plan.owner_inverse, owner_capacity),
     num_segments=owner_capacity,
   )
@@ -267,7 +267,7 @@ def from_owners(
   Returns:
     (n, ...) per id of this source; zero for ids without a slot.
   """
-  back = slot_values if is_identity(plan, axis_name) else _exchange(slot_values, axis_name)
+  back = slot_values if is_identity(plan, axis_name) else exchange(slot_values, axis_name)
   return take(back, plan.token_slot)
 
 
@@ -280,6 +280,6 @@ def is_identity(plan: RoutePlan, axis_name) -> bool:
   return jax.lax.axis_size(axis_name) == 1 and plan.owner_inverse.shape == plan.owner_rows.shape
 
 
-def _exchange(x: jax.Array, axis_name) -> jax.Array:
+def exchange(x: jax.Array, axis_name) -> jax.Array:
   """all_to_all of equal blocks along axis 0: block j goes to device j."""
   return jax.lax.all_to_all(x, axis_name, 0, 0, tiled=True)
