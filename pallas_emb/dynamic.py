@@ -43,7 +43,9 @@ from sharding import id_map
 from sharding.id_map import IdMap
 
 ROWS, REPLICATED = programs.ROWS, programs.REPLICATED
-_MAP_SPECS = IdMap(ROWS, ROWS, ROWS, ROWS, ROWS, REPLICATED)
+# Where each field of a map lives: per-slot arrays and the sketch split by
+# shard, the step replicated.
+MAP_SPECS = IdMap(ROWS, ROWS, ROWS, ROWS, ROWS, REPLICATED)
 
 
 class VocabState(NamedTuple):
@@ -82,7 +84,7 @@ def init_state(t: ShardedTable, key: jax.Array) -> VocabState:
   put = lambda x, s: jax.device_put(x, NamedSharding(t.mesh, P(t.axis) if s == ROWS else P()))
   data = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
   return VocabState(
-    IdMap(*(put(x, s) for x, s in zip(m, _MAP_SPECS))),
+    IdMap(*(put(x, s) for x, s in zip(m, MAP_SPECS))),
     jax.device_put(jnp.asarray(data, jnp.uint32), NamedSharding(t.mesh, P())),
   )
 
@@ -154,8 +156,8 @@ def admit(t: ShardedTable, state: TableState, vs: VocabState, words: tuple[jax.A
   rows, table, slots, m, metrics = programs.per_device(
     t,
     fn,
-    [ROWS, ROWS, *_MAP_SPECS, REPLICATED] + [ROWS] * len(words),
-    (ROWS, ROWS, ROWS, _MAP_SPECS, REPLICATED),
+    [ROWS, ROWS, *MAP_SPECS, REPLICATED] + [ROWS] * len(words),
+    (ROWS, ROWS, ROWS, MAP_SPECS, REPLICATED),
   )(state.table, state.slots, *vs.map, vs.key, *words)
   return rows, TableState(table, slots, state.step), VocabState(m, vs.key), metrics
 
@@ -170,7 +172,7 @@ def read(t: ShardedTable, vs: VocabState, words: tuple[jax.Array, ...]):
     _, tr = id_map.translate(m, flat, **_translate_args(t, flat.shape[0], False))
     return _split(tr.rows, words), VocabMetrics(*tr[2:])
 
-  return programs.per_device(t, fn, [*_MAP_SPECS] + [ROWS] * len(words), (ROWS, REPLICATED))(
+  return programs.per_device(t, fn, [*MAP_SPECS] + [ROWS] * len(words), (ROWS, REPLICATED))(
     *vs.map, *words
   )
 

@@ -244,18 +244,7 @@ def translate(
   route = key_route.plan(
     words[:, 0], words[:, 1], valid, num_shards=shards, capacity=key_capacity, axis_name=axis_name
   )
-  if shards == 1:
-    # One source: what it sent itself is already distinct, ascending and
-    # packed at the front, so the owner's dedup is the identity.
-    u_hi, u_lo, u_cnt, u_valid = (
-      route.recv_hi,
-      route.recv_lo,
-      route.recv_count,
-      route.recv_count > 0,
-    )
-    slot_uid = jnp.where(u_valid, jnp.arange(u_hi.shape[0], dtype=jnp.int32), -1)
-  else:
-    u_hi, u_lo, u_cnt, u_valid, slot_uid = _dedup(route.recv_hi, route.recv_lo, route.recv_count)
+  u_hi, u_lo, u_cnt, u_valid, slot_uid = _dedup(route.recv_hi, route.recv_lo, route.recv_count)
   n = u_hi.shape[0]
   rank = jnp.arange(n, dtype=jnp.int32)
   usable = layout.logical_of(me * capacity + jnp.arange(capacity, dtype=jnp.int32)) >= 0

@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from pallas_emb import packing
+from pallas_emb import dynamic, packing
 from pallas_emb import state as state_lib
 from pallas_emb.dynamic import VocabState
 from pallas_emb.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
@@ -225,7 +225,7 @@ class VocabCheckpointer:
       out[moved] = flat[source[moved]]
       slots[k] = specs[k].as_stored(out, spec.dim, rps)
     stored = packing.table_stored(table, spec.dim, spec.dtype, rps)
-    where = IdMap(*(self.emb.sharding(rows=r) for r in (True,) * 5 + (False,)))
+    where = IdMap(*(self.emb.sharding(rows=s == dynamic.ROWS) for s in dynamic.MAP_SPECS))
     return self._place(name, stored, slots, ts["step"]), {
       "map": {k: jax.device_put(x, s) for (k, x), s in zip(m._asdict().items(), where)},
       "key": jax.device_put(np.asarray(vocab["key"], np.uint32), self.emb.sharding(rows=False)),
