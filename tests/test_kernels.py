@@ -349,9 +349,11 @@ def test_race_detector_sees_duplicate_ids_and_nothing_else(duplicate):
   opt = pe.LazyAdam(0.05)  # three slots: four DMAs per row in flight
   rng = np.random.default_rng(6)
   # Four chunks: from the third on, a buffer is refilled after its previous
-  # chunk's write-back, which the schedule must wait for.
+  # chunk's write-back, which the schedule must wait for. Chunks of 8 ids,
+  # the smallest: the detector's cost grows faster than the DMAs it follows.
+  chunk = 8
   table, slots = _state(opt, jnp.float32, rng, num_rows=128)
-  rows = _ascending(rng, 128, 4 * CHUNK)
+  rows = _ascending(rng, 128, 4 * chunk)
   if duplicate:  # the same row twice in one chunk: two write-backs race
     rows[5] = rows[4]
   grads = rng.normal(size=(rows.size, DIM)).astype(np.float32)
@@ -366,7 +368,7 @@ def test_race_detector_sees_duplicate_ids_and_nothing_else(duplicate):
       optimizer=opt,
       dtype=jnp.float32,
       interpret=RACES,
-      chunk_rows=CHUNK,
+      chunk_rows=chunk,
     )
   )
   assert found == duplicate
