@@ -37,18 +37,24 @@ One step (`translate`), on every device:
 
 Per device the cost follows its own tokens, as in the static path: it sorts
 its tokens, and sends, dedups and answers `num_shards x key_capacity` keys.
+The source's sort (`key_route.buckets`) and the owner's steps 1 and 2
+(`owner_step`) may be computed elsewhere, bit for bit (`translate`'s
+`impl`: the native CPU kernels, where XLA:CPU pays a capacity-sized scatter
+per insertion round).
 Evaluation (`train=False`) reads only.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sharding import key_route
+from sharding import key_route, probe_window
 from sharding.key_route import PAD
 from sharding.layout import RowLayout
 
@@ -156,26 +162,29 @@ def _claim(slot, want, rank, claims):
   """(win, claims): which keys that `want` a `slot` win it (the lowest rank
   per slot), and `claims` with their ranks recorded.
 
-  `claims` (capacity,) int32 is made once per step: a claimed slot is taken
-  by its winner at once, and a taken slot is never claimed again in the
-  step (probes claim free slots; victims are slots not used this step), so
-  no round needs a fresh capacity-sized array.
+  `claims` (capacity,) int32 is made once per step and says which slots
+  this step took: a claimed slot goes to its winner, and a taken slot is
+  never claimed again in the step (probes claim slots free at the step's
+  start and unclaimed; victims are slots not used this step or the last).
+  So the rounds read and write only `claims`, and the map is written once,
+  after the last round (`_take`).
   """
   capacity = claims.shape[0]
   claims = claims.at[jnp.where(want, slot, capacity)].min(rank, mode="drop")
   return want & (claims[jnp.minimum(slot, capacity - 1)] == rank), claims
 
 
-def _victims(m: IdMap, pos, step, *, policy: str, ttl):
-  """(has, p) the policy's victim in each window: the position of the
-  least count (lfu) / least recent step, ties to the earlier one."""
-  last = m.last[pos]
-  ok = (last >= 0) & (last < step - 1)
+def _victims(last, count, inside, step, *, policy: str, ttl):
+  """(has, lane) the policy's victim in each window, from the windows'
+  (n, W) `last` and `count`: the lane of the least count (lfu) / least
+  recent step, ties to the earlier place in the window (lanes are in window
+  order)."""
+  ok = inside & (last >= 0) & (last < step - 1)
   if policy == "ttl":
     ok &= step - last >= ttl
   tie = ok
   if policy == "lfu":
-    c = jnp.where(ok, m.count[pos], jnp.inf)
+    c = jnp.where(ok, count, jnp.inf)
     tie = ok & (c == jnp.min(c, axis=1, keepdims=True))
   lst = jnp.where(tie, last, np.iinfo(np.int32).max)
   tie &= lst == jnp.min(lst, axis=1, keepdims=True)
@@ -207,13 +216,45 @@ def _take(m: IdMap, slot, win, hi, lo, cnt, step, capacity) -> IdMap:
   )
 
 
-def translate(
+class OwnerStep(NamedTuple):
+  """What an owner's step yields (`owner_step`, or an `OwnerStepImpl`).
+
+  Attributes:
+    map: the owner's new `IdMap`.
+    slot: (n,) int32 local slot of each distinct key received, in rank
+      order; -1 for none.
+    slot_uid: (n,) int32 rank of each received slot's key, -1 for an empty
+      slot.
+    reset: (n,) int32 local slots given a new key this step, -1 padding.
+    evictions, inserts, not_admitted, failed: () int32 this owner's counts.
+  """
+
+  map: IdMap
+  slot: jax.Array
+  slot_uid: jax.Array
+  reset: jax.Array
+  evictions: jax.Array
+  inserts: jax.Array
+  not_admitted: jax.Array
+  failed: jax.Array
+
+
+# An owner's step computed elsewhere (the native CPU kernels): called as
+# `owner_step` is, it returns the same bits, as `OwnerStep`'s fields in order
+# (a tuple will do; its map one of `IdMap`'s arrays).
+OwnerStepImpl = Callable[..., OwnerStep]
+# A source's `key_route.plan` before its all_to_alls: (hi, lo, valid,
+# num_shards=, capacity=) -> (token_slot, send_hi, send_lo, send_count).
+PlanImpl = Callable[..., tuple[jax.Array, jax.Array, jax.Array, jax.Array]]
+
+
+def owner_step(
   m: IdMap,
-  words: jax.Array,
+  recv_hi: jax.Array,
+  recv_lo: jax.Array,
+  recv_count: jax.Array,
+  usable: jax.Array,
   *,
-  layout: RowLayout,
-  axis_name,
-  key_capacity: int,
   probe_limit: int,
   admit_after: int,
   policy: str,
@@ -222,43 +263,31 @@ def translate(
   decay: float,
   ttl: int | None,
   train: bool,
-) -> tuple[IdMap, Translation]:
-  """One step of this shard's map (see the module docstring).
-
-  Args:
-    m: this shard's `IdMap`.
-    words: (T, 2) uint32 key words of this source's tokens, (PAD, PAD) for
-      padding.
-    layout: the table's rows (capacity = `layout.rows_per_shard`); slots
-      whose physical row holds no logical row are never used.
-    key_capacity: distinct keys this source may send one owner
-      (`sharding.key_route`); the tokens of keys beyond it get no row.
-    train: False reads only: nothing is counted, inserted or evicted.
-
-  Returns:
-    (the new map, the `Translation`).
-  """
-  shards, capacity = layout.num_shards, layout.rows_per_shard
-  me = jax.lax.axis_index(axis_name)
-  valid = ~((words[:, 0] == PAD) & (words[:, 1] == PAD))
-  route = key_route.plan(
-    words[:, 0], words[:, 1], valid, num_shards=shards, capacity=key_capacity, axis_name=axis_name
-  )
-  u_hi, u_lo, u_cnt, u_valid, slot_uid = _dedup(route.recv_hi, route.recv_lo, route.recv_count)
-  n = u_hi.shape[0]
+  lane_dense: bool = False,
+) -> OwnerStep:
+  """Steps 1 and 2 of the module docstring on one owner: the keys it
+  received (`key_route.KeyRoute`'s recv arrays, (n,)), deduplicated and
+  looked up, counted, admitted and inserted. `usable` (capacity,) bool:
+  the slots whose physical row holds a logical row. `lane_dense`: read the
+  probe windows as 128-lane rows where the map allows (a TPU's way;
+  `sharding.probe_window`), the same results."""
+  u_hi, u_lo, u_cnt, u_valid, slot_uid = _dedup(recv_hi, recv_lo, recv_count)
+  n, capacity = u_hi.shape[0], m.key_hi.shape[0]
   rank = jnp.arange(n, dtype=jnp.int32)
-  usable = layout.logical_of(me * capacity + jnp.arange(capacity, dtype=jnp.int32)) >= 0
   home = (u_lo % np.uint32(capacity)).astype(jnp.int32)
-  pos = (home[:, None] + jnp.arange(probe_limit, dtype=jnp.int32)) % capacity
+  w = probe_window.windows(
+    home, capacity, probe_limit, lane_dense and probe_window.fits_lanes(capacity, probe_limit)
+  )
+  read = functools.partial(probe_window.read, w)
   zero = jnp.zeros((), jnp.int32)
   evicted = inserts = not_admitted = failed = zero
   step = m.step
   if train:
     m, evicted = _sweep(m, usable, policy=policy, evict_every=evict_every, decay=decay, ttl=ttl)
-  match = (m.last[pos] >= 0) & (m.key_hi[pos] == u_hi[:, None]) & (m.key_lo[pos] == u_lo[:, None])
-  match &= u_valid[:, None]
+  match = w.inside & (read(m.last) >= 0) & (read(m.key_hi) == u_hi[:, None])
+  match &= (read(m.key_lo) == u_lo[:, None]) & u_valid[:, None]
   found = jnp.any(match, axis=1)
-  slot = jnp.where(found, jnp.sum(jnp.where(match, pos, 0), axis=1), -1)
+  slot = jnp.where(found, jnp.sum(jnp.where(match, w.pos, 0), axis=1), -1)
   reset = jnp.full((n,), -1, jnp.int32)
   if train:
     at = jnp.where(found, slot, capacity)
@@ -279,88 +308,109 @@ def translate(
     else:
       admitted, estimate = waiting, u_cnt
     not_admitted = jnp.sum(waiting & ~admitted, dtype=jnp.int32)
-    left = admitted
-    claims = jnp.full((capacity,), np.iinfo(np.int32).max, jnp.int32)
-    for r in range(probe_limit):
-      s = pos[:, r]
-      win, claims = _claim(s, left & (m.last[s] < 0) & usable[s], rank, claims)
-      m = _take(m, s, win, u_hi, u_lo, u_cnt, step, capacity)
-      slot = jnp.where(win, s, slot)
-      left &= ~win
+    # The map as this step's inserts find it (they write it once, at the
+    # end): a slot is free if it was at the step's start and no round has
+    # claimed it; a victim must have been used, not in this step or the last.
+    last = read(m.last)
+    free = w.inside & (last < 0) & read(usable)
+    unclaimed = np.iinfo(np.int32).max
+
+    def more(c):  # does a key still wait with a free slot at r or beyond?
+      r, _, _, left = c
+      return (r < probe_limit) & jnp.any(left & jnp.any(free & (w.r >= r), axis=1))
+
+    def round_(c):
+      r, claims, slot, left = c
+      here = w.r == r
+      s = jnp.sum(jnp.where(here, w.pos, 0), axis=1)
+      want = left & jnp.any(free & here, axis=1) & (claims[s] == unclaimed)
+      win, claims = _claim(s, want, rank, claims)
+      return r + 1, claims, jnp.where(win, s, slot), left & ~win
+
+    claims = jnp.full((capacity,), unclaimed, jnp.int32)
+    _, claims, slot, left = jax.lax.while_loop(more, round_, (zero, claims, slot, admitted))
     if evict_on_insert:
-      has, p = _victims(m, pos, step, policy=policy, ttl=ttl)
-      s = jnp.take_along_axis(pos, p[:, None], axis=1)[:, 0]
+      count = read(m.count)
+      has, lane = _victims(last, count, w.inside, step, policy=policy, ttl=ttl)
+      s = jnp.take_along_axis(w.pos, lane[:, None], axis=1)[:, 0]
       if policy == "lfu":  # a one-off never pushes out a more frequent id
-        has &= m.count[s] <= estimate.astype(jnp.float32)
+        has &= jnp.take_along_axis(count, lane[:, None], axis=1)[:, 0] <= estimate.astype(
+          jnp.float32
+        )
       win, _ = _claim(s, left & has, rank, claims)
-      m = _take(m, s, win, u_hi, u_lo, u_cnt, step, capacity)
       slot = jnp.where(win, s, slot)
       left &= ~win
       evicted += jnp.sum(win, dtype=jnp.int32)
     new = admitted & ~left
+    m = _take(m, slot, new, u_hi, u_lo, u_cnt, step, capacity)
     reset = jnp.where(new, slot, -1)
     inserts = jnp.sum(new, dtype=jnp.int32)
     failed = jnp.sum(left, dtype=jnp.int32)
     m = m._replace(step=step + 1)
+  return OwnerStep(m, slot, slot_uid, reset, evicted, inserts, not_admitted, failed)
+
+
+def translate(
+  m: IdMap,
+  words: jax.Array,
+  *,
+  layout: RowLayout,
+  axis_name,
+  key_capacity: int,
+  train: bool,
+  impl: tuple[PlanImpl, OwnerStepImpl] | None = None,
+  lane_dense: bool = False,
+  **policy,
+) -> tuple[IdMap, Translation]:
+  """One step of this shard's map (see the module docstring).
+
+  Args:
+    m: this shard's `IdMap`.
+    words: (T, 2) uint32 key words of this source's tokens, (PAD, PAD) for
+      padding.
+    layout: the table's rows (capacity = `layout.rows_per_shard`); slots
+      whose physical row holds no logical row are never used.
+    key_capacity: distinct keys this source may send one owner
+      (`sharding.key_route`); the tokens of keys beyond it get no row.
+    train: False reads only: nothing is counted, inserted or evicted.
+    impl: (plan, owner step) computed elsewhere, the same bits (the native
+      CPU kernels); None runs `key_route.plan` and `owner_step`.
+    lane_dense: `owner_step`'s (without `impl`).
+    **policy: `owner_step`'s probe_limit, admit_after, policy,
+      evict_on_insert, evict_every, decay and ttl.
+
+  Returns:
+    (the new map, the `Translation`).
+  """
+  shards, capacity = layout.num_shards, layout.rows_per_shard
+  me = jax.lax.axis_index(axis_name)
+  valid = ~((words[:, 0] == PAD) & (words[:, 1] == PAD))
+  route = key_route.plan(
+    words[:, 0],
+    words[:, 1],
+    valid,
+    num_shards=shards,
+    capacity=key_capacity,
+    axis_name=axis_name,
+    impl=impl and impl[0],
+  )
+  usable = layout.logical_of(me * capacity + jnp.arange(capacity, dtype=jnp.int32)) >= 0
+  step_fn = impl[1] if impl else functools.partial(owner_step, lane_dense=lane_dense)
+  step = OwnerStep(
+    *step_fn(m, route.recv_hi, route.recv_lo, route.recv_count, usable, train=train, **policy)
+  )
+  m, slot = IdMap(*step.map), step.slot
   row = jnp.where(slot >= 0, layout.logical_of(me * capacity + jnp.maximum(slot, 0)), MISS)
-  answer = jnp.where(slot_uid >= 0, row[jnp.maximum(slot_uid, 0)], MISS)
+  answer = jnp.where(step.slot_uid >= 0, row[jnp.maximum(step.slot_uid, 0)], MISS)
   rows = jnp.where(valid, key_route.answer(route, answer, axis_name=axis_name, fill=MISS), -1)
   total = lambda x: jax.lax.psum(x, axis_name)
   return m, Translation(
     rows=rows,
-    reset=reset,
+    reset=step.reset,
     occupancy=total(jnp.sum(m.last >= 0, dtype=jnp.int32)),
-    inserts=total(inserts),
-    evictions=total(evicted),
-    not_admitted=total(not_admitted),
-    failed=total(failed),
+    inserts=total(step.inserts),
+    evictions=total(step.evictions),
+    not_admitted=total(step.not_admitted),
+    failed=total(step.failed),
     misses=total(jnp.sum(rows == MISS, dtype=jnp.int32)),
   )
-
-
-def reshard(m: IdMap, new: RowLayout, probe_limit: int, sketch_shape):
-  """A host map, whatever shard count wrote it, re-inserted for `new`'s.
-
-  Runs on the host (NumPy), when a checkpoint is restored onto another
-  shard count. Every resident key goes to its owner and window under `new`
-  (`high % shards`, `low % capacity`, `probe_limit` slots), keeping its
-  count and last step; keys are placed in rounds as `translate` inserts
-  them: in round r each key still waiting claims slot home + r if it is
-  free and usable, and of keys claiming one slot the one of highest count
-  (then latest step, then smallest key) wins. Keys left after the last
-  round are dropped. The sketch of keys not yet admitted starts empty
-  (`sketch_shape`): its counters are per shard and not per key.
-
-  Args:
-    m: the whole map as NumPy arrays (global slots, shards concatenated).
-    new: the table's layout now.
-    probe_limit: the window under `new` (at most `new.rows_per_shard`).
-    sketch_shape: the new sketch's (rows, width).
-
-  Returns:
-    (the new map; (new.num_physical_rows,) int64 the old slot whose key each
-    new slot holds, -1 where empty; the number of keys dropped).
-  """
-  m = IdMap(*(np.asarray(x) for x in m))
-  held = np.flatnonzero(m.last >= 0)
-  held = held[np.lexsort((m.key_lo[held], m.key_hi[held], -m.last[held], -m.count[held]))]
-  shards, capacity = new.num_shards, new.rows_per_shard
-  base = (m.key_hi[held] % np.uint32(shards)).astype(np.int64) * capacity
-  home = (m.key_lo[held] % np.uint32(capacity)).astype(np.int64)
-  usable = new.logical_of(np.arange(new.num_physical_rows, dtype=np.int64)) >= 0
-  source = np.full((new.num_physical_rows,), -1, np.int64)
-  waiting = np.ones(held.shape, bool)
-  for r in range(probe_limit):
-    cand = base + (home + r) % capacity
-    want = np.flatnonzero(waiting & usable[cand] & (source[cand] < 0))
-    # Keys are in priority order: a slot's first claimant takes it.
-    slots, first = np.unique(cand[want], return_index=True)
-    source[slots] = held[want[first]]
-    waiting[want[first]] = False
-  taken = source >= 0
-  out = init_map(shards, capacity, 0, 1)._replace(
-    sketch=np.zeros(sketch_shape, np.int32), step=m.step.astype(np.int32)
-  )
-  for name in ("key_hi", "key_lo", "count", "last"):
-    getattr(out, name)[taken] = getattr(m, name)[source[taken]]
-  return out, source, int(waiting.sum())

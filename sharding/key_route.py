@@ -21,6 +21,7 @@ rest: their tokens get no row (the map counts them as misses).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -51,7 +52,14 @@ class KeyRoute(NamedTuple):
 
 
 def plan(
-  hi: jax.Array, lo: jax.Array, valid: jax.Array, *, num_shards: int, capacity: int, axis_name
+  hi: jax.Array,
+  lo: jax.Array,
+  valid: jax.Array,
+  *,
+  num_shards: int,
+  capacity: int,
+  axis_name,
+  impl: Callable | None = None,
 ) -> KeyRoute:
   """Buckets this source's distinct keys by owner and sends them.
 
@@ -61,7 +69,25 @@ def plan(
     num_shards: size of `axis_name`.
     capacity: distinct keys one source may send to one owner.
     axis_name: the mesh axis the table is sharded over.
+    impl: `buckets`'s work computed elsewhere, the same bits (the native CPU
+      kernels); None runs `buckets`.
   """
+  token_slot, send_hi, send_lo, send_count = (impl or buckets)(
+    hi, lo, valid, num_shards=num_shards, capacity=capacity
+  )
+  return KeyRoute(
+    token_slot=token_slot,
+    recv_hi=exchange(send_hi, axis_name),
+    recv_lo=exchange(send_lo, axis_name),
+    recv_count=exchange(send_count, axis_name),
+  )
+
+
+def buckets(hi: jax.Array, lo: jax.Array, valid: jax.Array, *, num_shards: int, capacity: int):
+  """A source's send buffers, before the all_to_all: (token_slot (T,) int32
+  (`KeyRoute`'s), send_hi, send_lo (num_shards * capacity,) uint32 each
+  distinct key once in its owner's block, (PAD, PAD) elsewhere, and
+  send_count (num_shards * capacity,) int32 its occurrences)."""
   t = hi.shape[0]
   slots = num_shards * capacity
   owner = jnp.where(valid, (hi % np.uint32(num_shards)).astype(jnp.int32), num_shards)
@@ -85,12 +111,8 @@ def plan(
   count = jax.ops.segment_sum(
     fits.astype(jnp.int32), jnp.where(fits, slot, slots), num_segments=slots
   )
-  return KeyRoute(
-    token_slot=jnp.zeros((t,), jnp.int32).at[sidx].set(slot, unique_indices=True),
-    recv_hi=exchange(send(sh, PAD), axis_name),
-    recv_lo=exchange(send(sl, PAD), axis_name),
-    recv_count=exchange(count, axis_name),
-  )
+  token_slot = jnp.zeros((t,), jnp.int32).at[sidx].set(slot, unique_indices=True)
+  return token_slot, send(sh, PAD), send(sl, PAD), count
 
 
 def answer(route: KeyRoute, values: jax.Array, *, axis_name, fill) -> jax.Array:

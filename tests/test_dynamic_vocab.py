@@ -14,6 +14,7 @@ from vocab_reference import PAD_KEY, ReferenceVocab
 import pallas_emb as pe
 from pallas_emb import dynamic
 from pallas_emb.errors import InputError, SpecError
+from pallas_emb.kernels import native_lib
 from pallas_emb.vocabulary import DynamicVocabulary, raw_ids, vocab_keys
 from sharding.id_map import sketch_slots
 
@@ -26,11 +27,23 @@ POLICIES = {
 }
 
 
-def _emb(num_devices, vocab, num_rows=40, optimizer=None):
+def _emb(num_devices, vocab, num_rows=40, optimizer=None, backend="xla"):
   spec = pe.TableSpec("t", num_rows, 8, vocabulary=vocab, optimizer=optimizer or pe.Adagrad(0.1))
   return pe.ShardedEmbedding(
-    [spec], [pe.FeatureSpec("f", "t")], make_mesh(num_devices), backend="xla"
+    [spec], [pe.FeatureSpec("f", "t")], make_mesh(num_devices), backend=backend
   )
+
+
+# The native CPU kernels' map (csrc/id_map.cc) against the same reference.
+BACKENDS = [
+  "xla",
+  pytest.param(
+    "native",
+    marks=pytest.mark.skipif(
+      not native_lib.available(), reason=f"native library: {native_lib.status().reason}"
+    ),
+  ),
+]
 
 
 def _as_int(words):
@@ -68,23 +81,24 @@ def test_equals_reference(num_devices, policy, stream):
   _check_against_reference(num_devices, policy, stream)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("num_devices", [1, 8])
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_equals_reference_through_evictions(num_devices, policy):
+def test_equals_reference_through_evictions(num_devices, policy, backend):
   """A long stream over more ids than rows: every rule is exercised."""
   rng = np.random.default_rng(num_devices)
   stream = rng.integers(-1, 61, (12, B * L)).tolist()
-  totals = _check_against_reference(num_devices, policy, stream)
+  totals = _check_against_reference(num_devices, policy, stream, backend)
   assert totals["inserts"] > 30 and totals["evictions"] > 0, totals
   assert totals["not_admitted"] > 0 or policy != "lru", totals
 
 
-def _check_against_reference(num_devices, policy, stream):
+def _check_against_reference(num_devices, policy, stream, backend="xla"):
   """Trains `stream` on the device and in the reference, step by step
   equal rows and metrics, then equal resident ids and rows; returns the
   summed metrics."""
   vocab = POLICIES[policy]
-  emb = _emb(num_devices, vocab)
+  emb = _emb(num_devices, vocab, backend=backend)
   ref = ReferenceVocab(40, num_devices, vocab)
   tables, vocabs = emb.init(jax.random.key(0)), emb.init_vocabularies(jax.random.key(1))
   totals = {}

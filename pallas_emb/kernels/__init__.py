@@ -12,7 +12,7 @@ and know nothing of training.
 
 from __future__ import annotations
 
-from pallas_emb.kernels import chip, native, pallas_gather, pallas_update, xla
+from pallas_emb.kernels import chip, native, native_id_map, pallas_gather, pallas_update, xla
 from pallas_emb.kernels.backend import BACKENDS, check_name, default_backend, resolve_backend
 
 
@@ -72,6 +72,12 @@ def fused_update(
 def unique_impl(backend: str):
   """The dedup core of `backend` for `sharding.dedup` (None: its own)."""
   return native.unique_keys if backend == "native" else None
+
+
+def id_map_impl(backend: str):
+  """(plan, owner step) of `backend` for `sharding.id_map.translate` (None:
+  its own XLA code)."""
+  return (native_id_map.plan, native_id_map.owner_step) if backend == "native" else None
 
 
 def fuses_segment_sum(backend: str, optimizer, dtype) -> bool:

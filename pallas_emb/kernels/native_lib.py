@@ -42,8 +42,9 @@ LIBRARY = "libpe_cpu.so"
 ENV_VAR = "PALLAS_EMB_NATIVE_LIB"
 DISTRIBUTION = "pallas-emb"
 
-# The handlers of csrc/: unique_keys.cc and sparse_update.cc.
+# The handlers of csrc/: unique_keys.cc, id_map.cc and sparse_update.cc.
 UNIQUE_KEYS = "PeUniqueKeys"
+KEY_PLAN, ID_MAP_STEP = "PeKeyPlan", "PeIdMapStep"
 RULE_TARGETS = {
   "sgd": "PeSgd",
   "adagrad": "PeAdagrad",
@@ -52,7 +53,7 @@ RULE_TARGETS = {
   "lazy_adam": "PeLazyAdam",
   "ftrl": "PeFtrl",
 }
-TARGETS = (UNIQUE_KEYS,) + tuple(
+TARGETS = (UNIQUE_KEYS, KEY_PLAN, ID_MAP_STEP) + tuple(
   prefix + kind for prefix in RULE_TARGETS.values() for kind in ("SegsumUpdate", "RowUpdate")
 )
 

@@ -10,7 +10,7 @@ back, as the `Checkpointer` of a `Trainer` does.
 Restored onto the same mesh, a run continues bit for bit as if never
 stopped. Onto another shard count the maps are rebuilt: an id's owner is its
 key modulo the shard count, so every resident id is re-inserted into its new
-owner's window (`sharding.id_map.reshard`) and its table row and slots move
+owner's window (`sharding.id_map_reshard`) and its table row and slots move
 with it, on the host. Its count and last step are kept; the sketch of ids
 not yet admitted starts empty; an id that finds no free slot in its new
 window is dropped, and counted in `VocabCheckpointer.resharded`. Resharded,
@@ -32,7 +32,7 @@ from pallas_emb.dynamic import VocabState
 from pallas_emb.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from pallas_emb.state import TableState
 from pallas_emb.train.checkpoint_dir import CheckpointDir, StepUnreadable
-from sharding import id_map
+from sharding import id_map, id_map_reshard
 from sharding.id_map import IdMap
 from sharding.layout import RowLayout
 
@@ -207,11 +207,13 @@ class VocabCheckpointer:
 
   def _reinsert(self, name: str, ts: dict, vocab: dict, new: RowLayout):
     """(table, vocab) of dynamic table `name` for layout `new`: its map
-    re-inserted (`id_map.reshard`), each kept id's row and slots moved."""
+    re-inserted (`id_map_reshard.reshard`), each kept id's row and slots moved."""
     spec = self.emb.table_spec(name)
     v, rps = spec.vocabulary, new.rows_per_shard
     sketch = id_map.init_map(new.num_shards, rps, v.depth(), v.width_for(rps)).sketch.shape
-    m, source, dropped = id_map.reshard(IdMap(**vocab["map"]), new, min(v.probe_limit, rps), sketch)
+    m, source, dropped = id_map_reshard.reshard(
+      IdMap(**vocab["map"]), new, min(v.probe_limit, rps), sketch
+    )
     moved = np.flatnonzero(source >= 0)
     self.resharded[name] = {"kept": int(moved.size), "dropped": dropped}
     # Rows nobody holds are reset when an id takes them: zeros, fresh slots.

@@ -1,0 +1,366 @@
+// The dynamic vocabulary's per-device work on CPU, bit for bit what the XLA
+// code of sharding/key_route.py and sharding/id_map.py computes:
+//
+// PeKeyPlan: a source's half of key_route.plan before the all_to_all.
+//   hi, lo (T,) uint32 key words; valid (T,) pred
+//   -> token_slot (T,) int32 send slot of each token, -1 without one
+//      send_hi, send_lo (S * K,) uint32 each distinct key once, in
+//        (owner, hi, lo) order within its owner's block of K; PAD-filled
+//      send_count (S * K,) int32 occurrences of each sent key
+//   attrs: num_shards S, capacity K
+//
+// PeIdMapStep: an owner's half of id_map.translate between the all_to_alls
+// (id_map.owner_step): dedup of the received keys, sweep, lookup, sketch,
+// insertion rounds and victims.
+//   key_hi, key_lo (C,) uint32; count (C,) f32; last (C,) int32;
+//   sketch (D, W) int32; step () int32 (the map, aliased to the outputs);
+//   recv_hi, recv_lo (n,) uint32; recv_count (n,) int32; usable (C,) pred
+//   -> the new map (6 outputs), slot (n,) int32 per distinct key (rank
+//      order), slot_uid (n,) int32 rank of each received slot's key or -1,
+//      reset (n,) int32, stats (4,) int32: evicted, inserted, not admitted,
+//      failed
+//
+// The XLA code resolves each insertion round with a scatter-min over the
+// claims, the lowest rank winning a slot; here the keys of a round are
+// visited in rank order and each takes its slot if it is still free, which
+// picks the same winners: a slot taken earlier in the round is no longer
+// free, and no step frees a slot. The XLA rounds cost a capacity-sized
+// scatter each (probe_limit of them, whoever is still waiting); these touch
+// only the keys still waiting.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace pallas_emb {
+namespace {
+
+constexpr uint32_t kPad = 0xFFFFFFFFu;
+constexpr int64_t kLfu = 0, kTtl = 2;  // id_map_policy codes (kernels/native_id_map.py)
+constexpr uint32_t kMul1 = 0x85EBCA6Bu, kMul2 = 0xC2B2AE35u;
+constexpr uint32_t kSalts[8] = {0x9E3779B9u, 0x7F4A7C15u, 0xF39CC060u, 0x5CEDC834u,
+                                0x1B873593u, 0xCC9E2D51u, 0xE6546B64u, 0x27D4EB2Fu};
+
+// (key, index) pairs sorted by key: the sort of both handlers.
+struct Keyed {
+  uint64_t key;
+  int32_t index;
+};
+
+struct Scratch {
+  std::vector<Keyed> keyed, tmp;
+  std::vector<int32_t> offsets;
+  std::vector<uint32_t> u_hi, u_lo;
+  std::vector<int32_t> u_cnt, estimate, victim;
+  std::vector<uint8_t> left, admitted;
+};
+thread_local Scratch tl_scratch;
+
+// An LSD radix sort of [first, last) by key, over the key bits that vary
+// (11-bit digits), with `tmp` as scratch; a no-op on sorted input (an owner
+// with one source receives its keys sorted). Ties keep no order: the callers
+// read only keys.
+void SortByKey(Keyed* first, Keyed* last, std::vector<Keyed>& tmp) {
+  const size_t n = last - first;
+  if (std::is_sorted(first, last, [](const Keyed& a, const Keyed& b) { return a.key < b.key; }))
+    return;
+  uint64_t lo = ~uint64_t(0), hi = 0;
+  for (const Keyed* e = first; e != last; ++e) lo = std::min(lo, e->key), hi = std::max(hi, e->key);
+  const int bits = 64 - __builtin_clzll(hi - lo);  // hi > lo: the input is not sorted
+  constexpr int kDigit = 11;
+  constexpr size_t kBuckets = size_t(1) << kDigit;
+  tmp.resize(n);
+  Keyed* src = first;
+  Keyed* dst = tmp.data();
+  uint32_t hist[kBuckets];
+  for (int shift = 0; shift < bits; shift += kDigit) {
+    std::fill(hist, hist + kBuckets, 0);
+    auto digit = [&](const Keyed& e) { return ((e.key - lo) >> shift) & (kBuckets - 1); };
+    for (size_t i = 0; i < n; ++i) ++hist[digit(src[i])];
+    uint32_t sum = 0;
+    for (size_t b = 0; b < kBuckets; ++b) sum += std::exchange(hist[b], sum);
+    for (size_t i = 0; i < n; ++i) dst[hist[digit(src[i])]++] = src[i];
+    std::swap(src, dst);
+  }
+  if (src != first) std::copy(src, src + n, first);
+}
+
+ffi::Error KeyPlan(ffi::Buffer<ffi::U32> hi_buf, ffi::Buffer<ffi::U32> lo_buf,
+                   ffi::Buffer<ffi::PRED> valid_buf, int64_t num_shards, int64_t capacity,
+                   ffi::ResultBuffer<ffi::S32> token_slot_buf,
+                   ffi::ResultBuffer<ffi::U32> send_hi_buf,
+                   ffi::ResultBuffer<ffi::U32> send_lo_buf,
+                   ffi::ResultBuffer<ffi::S32> send_count_buf) {
+  const int64_t t = hi_buf.element_count(), slots = num_shards * capacity;
+  if (num_shards < 1 || capacity < 1 || send_hi_buf->element_count() != size_t(slots))
+    return ffi::Error::InvalidArgument("PeKeyPlan: send buffers must hold num_shards * capacity");
+  const uint32_t* hi = hi_buf.typed_data();
+  const uint32_t* lo = lo_buf.typed_data();
+  const bool* valid = valid_buf.typed_data();
+  int32_t* token_slot = token_slot_buf->typed_data();
+  uint32_t* send_hi = send_hi_buf->typed_data();
+  uint32_t* send_lo = send_lo_buf->typed_data();
+  int32_t* send_count = send_count_buf->typed_data();
+  std::fill(token_slot, token_slot + t, -1);
+  std::fill(send_hi, send_hi + slots, kPad);
+  std::fill(send_lo, send_lo + slots, kPad);
+  std::fill(send_count, send_count + slots, 0);
+
+  // Bucket the tokens by owner (a counting sort), then sort each bucket.
+  Scratch& s = tl_scratch;
+  s.offsets.assign(num_shards + 1, 0);
+  for (int64_t i = 0; i < t; ++i)
+    if (valid[i]) ++s.offsets[hi[i] % uint32_t(num_shards) + 1];
+  for (int64_t o = 0; o < num_shards; ++o) s.offsets[o + 1] += s.offsets[o];
+  s.keyed.resize(s.offsets[num_shards]);
+  std::vector<int32_t> fill(s.offsets.begin(), s.offsets.end() - 1);
+  for (int64_t i = 0; i < t; ++i)
+    if (valid[i])
+      s.keyed[fill[hi[i] % uint32_t(num_shards)]++] = {uint64_t(hi[i]) << 32 | lo[i], int32_t(i)};
+  for (int64_t o = 0; o < num_shards; ++o) {
+    Keyed* first = s.keyed.data() + s.offsets[o];
+    Keyed* last = s.keyed.data() + s.offsets[o + 1];
+    SortByKey(first, last, s.tmp);
+    int64_t position = -1;
+    for (Keyed* e = first; e != last; ++e) {
+      if (e == first || e->key != e[-1].key) ++position;
+      if (position >= capacity) break;  // the rest of this owner's keys overflow
+      const int64_t slot = o * capacity + position;
+      send_hi[slot] = uint32_t(e->key >> 32);
+      send_lo[slot] = uint32_t(e->key);
+      ++send_count[slot];
+      token_slot[e->index] = int32_t(slot);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+uint32_t SketchCell(uint32_t hi, uint32_t lo, uint32_t d, uint32_t width) {
+  uint32_t x = (hi ^ kSalts[d % 8]) * kMul1;
+  x = (x ^ lo ^ d) * kMul2;
+  x ^= x >> 16;
+  return x % width;
+}
+
+// The output buffer of a map array, holding the input's values (XLA aliases
+// them when it can; otherwise this copies).
+template <ffi::DataType D>
+auto* Carry(ffi::Buffer<D>& in, ffi::ResultBuffer<D>& out) {
+  auto* dst = out->typed_data();
+  if (dst != in.typed_data())
+    std::memcpy(dst, in.typed_data(), in.element_count() * sizeof(*dst));
+  return dst;
+}
+
+ffi::Error IdMapStep(ffi::Buffer<ffi::U32> key_hi_in, ffi::Buffer<ffi::U32> key_lo_in,
+                     ffi::Buffer<ffi::F32> count_in, ffi::Buffer<ffi::S32> last_in,
+                     ffi::Buffer<ffi::S32> sketch_in, ffi::BufferR0<ffi::S32> step_in,
+                     ffi::Buffer<ffi::U32> recv_hi_buf, ffi::Buffer<ffi::U32> recv_lo_buf,
+                     ffi::Buffer<ffi::S32> recv_count_buf, ffi::Buffer<ffi::PRED> usable_buf,
+                     int64_t probe_limit, int64_t admit_after, int64_t policy,
+                     bool evict_on_insert, int64_t evict_every, float decay, int64_t ttl,
+                     bool train, ffi::ResultBuffer<ffi::U32> key_hi_out,
+                     ffi::ResultBuffer<ffi::U32> key_lo_out, ffi::ResultBuffer<ffi::F32> count_out,
+                     ffi::ResultBuffer<ffi::S32> last_out, ffi::ResultBuffer<ffi::S32> sketch_out,
+                     ffi::ResultBufferR0<ffi::S32> step_out, ffi::ResultBuffer<ffi::S32> slot_buf,
+                     ffi::ResultBuffer<ffi::S32> slot_uid_buf,
+                     ffi::ResultBuffer<ffi::S32> reset_buf, ffi::ResultBuffer<ffi::S32> stats_buf) {
+  const int64_t cap = key_hi_in.element_count(), n = recv_hi_buf.element_count();
+  if (probe_limit < 1 || probe_limit > cap)
+    return ffi::Error::InvalidArgument("PeIdMapStep: probe_limit must be in [1, capacity]");
+  const auto dims = sketch_in.dimensions();
+  const int64_t depth = admit_after > 1 ? dims[0] : 0, width = dims[1];
+  uint32_t* key_hi = Carry(key_hi_in, key_hi_out);
+  uint32_t* key_lo = Carry(key_lo_in, key_lo_out);
+  float* count = Carry(count_in, count_out);
+  int32_t* last = Carry(last_in, last_out);
+  int32_t* sketch = Carry(sketch_in, sketch_out);
+  const int32_t step = *step_in.typed_data();
+  const uint32_t* recv_hi = recv_hi_buf.typed_data();
+  const uint32_t* recv_lo = recv_lo_buf.typed_data();
+  const int32_t* recv_count = recv_count_buf.typed_data();
+  const bool* usable = usable_buf.typed_data();
+  int32_t* slot = slot_buf->typed_data();
+  int32_t* slot_uid = slot_uid_buf->typed_data();
+  int32_t* reset = reset_buf->typed_data();
+  int32_t* stats = stats_buf->typed_data();
+  std::fill(slot, slot + n, -1);
+  std::fill(slot_uid, slot_uid + n, -1);
+  std::fill(reset, reset + n, -1);
+
+  // 1. The distinct keys received, ascending: a key's rank is its uid.
+  Scratch& s = tl_scratch;
+  s.keyed.clear();
+  for (int64_t i = 0; i < n; ++i)
+    if (recv_count[i] > 0) s.keyed.push_back({uint64_t(recv_hi[i]) << 32 | recv_lo[i], int32_t(i)});
+  SortByKey(s.keyed.data(), s.keyed.data() + s.keyed.size(), s.tmp);
+  s.u_hi.clear();
+  s.u_lo.clear();
+  s.u_cnt.clear();
+  for (size_t j = 0; j < s.keyed.size(); ++j) {
+    const Keyed& e = s.keyed[j];
+    if (j == 0 || e.key != s.keyed[j - 1].key) {
+      s.u_hi.push_back(uint32_t(e.key >> 32));
+      s.u_lo.push_back(uint32_t(e.key));
+      s.u_cnt.push_back(0);
+    }
+    s.u_cnt.back() += recv_count[e.index];
+    slot_uid[e.index] = int32_t(s.u_hi.size() - 1);
+  }
+  const int64_t nu = int64_t(s.u_hi.size());
+  auto pos = [&](int64_t u, int64_t r) { return int32_t((s.u_lo[u] % uint32_t(cap) + r) % cap); };
+
+  // 2. The periodic sweep.
+  int32_t evicted = 0, inserted = 0, not_admitted = 0, failed = 0;
+  if (train && evict_every > 0 && step > 0 && step % evict_every == 0) {
+    if (policy == kLfu && decay != 1.0f)
+      for (int64_t j = 0; j < cap; ++j) count[j] = count[j] * decay;
+    if (ttl >= 0)
+      for (int64_t j = 0; j < cap; ++j)
+        if (last[j] >= 0 && step - last[j] >= ttl) last[j] = -1, ++evicted;
+  }
+
+  // 3. Resident keys, found in their window.
+  for (int64_t u = 0; u < nu; ++u) {
+    int64_t sum = 0;
+    bool found = false;
+    for (int64_t r = 0; r < probe_limit; ++r) {
+      const int32_t p = pos(u, r);
+      if (last[p] >= 0 && key_hi[p] == s.u_hi[u] && key_lo[p] == s.u_lo[u]) found = true, sum += p;
+    }
+    if (found) slot[u] = int32_t(sum);
+  }
+  if (!train) {
+    std::fill(stats, stats + 4, 0);
+    *step_out->typed_data() = step;
+    return ffi::Error::Success();
+  }
+  s.left.assign(nu, 0);
+  s.estimate.assign(nu, 0);
+  for (int64_t u = 0; u < nu; ++u) {
+    if (slot[u] >= 0) {
+      count[slot[u]] += float(s.u_cnt[u]);
+      last[slot[u]] = step;
+    } else {
+      s.left[u] = 1;  // waiting: admitted below, or not
+      s.estimate[u] = s.u_cnt[u];
+    }
+  }
+  // 4. Admission: every waiting key counted in the sketch, then estimated.
+  if (depth > 0) {
+    for (int64_t u = 0; u < nu; ++u)
+      if (s.left[u])
+        for (int64_t d = 0; d < depth; ++d)
+          sketch[d * width + SketchCell(s.u_hi[u], s.u_lo[u], d, width)] += s.u_cnt[u];
+    for (int64_t u = 0; u < nu; ++u) {
+      if (!s.left[u]) continue;
+      int32_t est = std::numeric_limits<int32_t>::max();
+      for (int64_t d = 0; d < depth; ++d)
+        est = std::min(est, sketch[d * width + SketchCell(s.u_hi[u], s.u_lo[u], d, width)]);
+      s.estimate[u] = est;
+      if (est < admit_after) s.left[u] = 0, ++not_admitted;
+    }
+  }
+  s.admitted = s.left;
+  auto take = [&](int64_t u, int32_t p) {
+    key_hi[p] = s.u_hi[u];
+    key_lo[p] = s.u_lo[u];
+    count[p] = float(s.u_cnt[u]);
+    last[p] = step;
+    slot[u] = p;
+    s.left[u] = 0;
+  };
+  // 5. Insertion rounds: in round r each waiting key takes home + r if free.
+  int64_t waiting = std::count(s.left.begin(), s.left.end(), 1);
+  for (int64_t r = 0; r < probe_limit && waiting > 0; ++r)
+    for (int64_t u = 0; u < nu; ++u)
+      if (s.left[u]) {
+        const int32_t p = pos(u, r);
+        if (last[p] < 0 && usable[p]) take(u, p), --waiting;
+      }
+  // 6. One round of victims, all chosen before any is taken: the least count
+  // (lfu) or least recent step, never a slot used this step or the last.
+  if (evict_on_insert) {
+    s.victim.assign(nu, -1);
+    for (int64_t u = 0; u < nu; ++u) {
+      if (!s.left[u]) continue;
+      int32_t best = -1;
+      for (int64_t r = 0; r < probe_limit; ++r) {
+        const int32_t p = pos(u, r);
+        const int32_t l = last[p];
+        if (l < 0 || l >= step - 1 || (policy == kTtl && step - l < ttl)) continue;
+        if (best < 0 || (policy == kLfu && count[p] < count[best]) ||
+            ((policy != kLfu || count[p] == count[best]) && l < last[best]))
+          best = p;
+      }
+      if (best >= 0 && (policy != kLfu || count[best] <= float(s.estimate[u]))) s.victim[u] = best;
+    }
+    for (int64_t u = 0; u < nu; ++u) {
+      const int32_t p = s.victim[u];
+      if (p >= 0 && last[p] != step) take(u, p), ++evicted;  // else a lower rank took it
+    }
+  }
+  for (int64_t u = 0; u < nu; ++u) {
+    if (s.admitted[u] && !s.left[u]) reset[u] = slot[u], ++inserted;
+    failed += s.left[u];
+  }
+  stats[0] = evicted;
+  stats[1] = inserted;
+  stats[2] = not_admitted;
+  stats[3] = failed;
+  *step_out->typed_data() = step + 1;
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace pallas_emb
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PeKeyPlan, pallas_emb::KeyPlan,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::PRED>>()
+                                  .Attr<int64_t>("num_shards")
+                                  .Attr<int64_t>("capacity")
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PeIdMapStep, pallas_emb::IdMapStep,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Arg<xla::ffi::BufferR0<xla::ffi::S32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::PRED>>()
+                                  .Attr<int64_t>("probe_limit")
+                                  .Attr<int64_t>("admit_after")
+                                  .Attr<int64_t>("policy")
+                                  .Attr<bool>("evict_on_insert")
+                                  .Attr<int64_t>("evict_every")
+                                  .Attr<float>("decay")
+                                  .Attr<int64_t>("ttl")
+                                  .Attr<bool>("train")
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::BufferR0<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>());
