@@ -158,20 +158,20 @@ def _dedup(hi, lo, count):
   return u_hi, u_lo, u_count, u_valid, slot_uid
 
 
-def _claim(slot, want, rank, claims):
-  """(win, claims): which keys that `want` a `slot` win it (the lowest rank
-  per slot), and `claims` with their ranks recorded.
+def _claim(slot, want, value, claims):
+  """(win, claims): which keys that `want` a `slot` win it (the least
+  `value` per slot), and `claims` with their values recorded.
 
   `claims` (capacity,) int32 is made once per step and says which slots
-  this step took: a claimed slot goes to its winner, and a taken slot is
-  never claimed again in the step (probes claim slots free at the step's
-  start and unclaimed; victims are slots not used this step or the last).
-  So the rounds read and write only `claims`, and the map is written once,
-  after the last round (`_take`).
+  this step took. A key claims with value round * n + rank: a slot claimed
+  in an earlier round keeps its smaller value, so a later claimant loses it
+  as if it were not free, and in one round the lowest rank wins. The rounds
+  read and write only `claims`, and the map is written once, after the last
+  round (`_take`).
   """
   capacity = claims.shape[0]
-  claims = claims.at[jnp.where(want, slot, capacity)].min(rank, mode="drop")
-  return want & (claims[jnp.minimum(slot, capacity - 1)] == rank), claims
+  claims = claims.at[jnp.where(want, slot, capacity)].min(value, mode="drop")
+  return want & (claims[jnp.minimum(slot, capacity - 1)] == value), claims
 
 
 def _victims(last, count, inside, step, *, policy: str, ttl):
@@ -313,21 +313,26 @@ def owner_step(
     # claimed it; a victim must have been used, not in this step or the last.
     last = read(m.last)
     free = w.inside & (last < 0) & read(usable)
-    unclaimed = np.iinfo(np.int32).max
+    if (probe_limit + 1) * n >= 2**31:
+      raise ValueError(f"(probe_limit + 1) * keys = {(probe_limit + 1) * n} must fit int32.")
 
-    def more(c):  # does a key still wait with a free slot at r or beyond?
+    # The last place in its window where a key could find a free slot: the
+    # rounds stop when no waiting key has one ahead.
+    last_free = jnp.max(jnp.where(free, w.r, -1), axis=1)
+
+    def more(c):
       r, _, _, left = c
-      return (r < probe_limit) & jnp.any(left & jnp.any(free & (w.r >= r), axis=1))
+      return (r < probe_limit) & jnp.any(left & (last_free >= r))
 
     def round_(c):
       r, claims, slot, left = c
       here = w.r == r
       s = jnp.sum(jnp.where(here, w.pos, 0), axis=1)
-      want = left & jnp.any(free & here, axis=1) & (claims[s] == unclaimed)
-      win, claims = _claim(s, want, rank, claims)
+      want = left & jnp.any(free & here, axis=1)
+      win, claims = _claim(s, want, r * n + rank, claims)
       return r + 1, claims, jnp.where(win, s, slot), left & ~win
 
-    claims = jnp.full((capacity,), unclaimed, jnp.int32)
+    claims = jnp.full((capacity,), np.iinfo(np.int32).max, jnp.int32)
     _, claims, slot, left = jax.lax.while_loop(more, round_, (zero, claims, slot, admitted))
     if evict_on_insert:
       count = read(m.count)
@@ -337,7 +342,7 @@ def owner_step(
         has &= jnp.take_along_axis(count, lane[:, None], axis=1)[:, 0] <= estimate.astype(
           jnp.float32
         )
-      win, _ = _claim(s, left & has, rank, claims)
+      win, _ = _claim(s, left & has, probe_limit * n + rank, claims)
       slot = jnp.where(win, s, slot)
       left &= ~win
       evicted += jnp.sum(win, dtype=jnp.int32)
