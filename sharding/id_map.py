@@ -137,27 +137,6 @@ def init_map(num_shards: int, capacity: int, depth: int, width: int) -> IdMap:
   )
 
 
-def _dedup(hi, lo, count):
-  """Sorted distinct keys of the slots with a count, their counts summed:
-  (u_hi, u_lo, u_count, u_valid, slot_uid)."""
-  n = hi.shape[0]
-  idx = jnp.arange(n, dtype=jnp.int32)
-  k0, sh, sl, sidx, scount = jax.lax.sort(
-    ((count <= 0).astype(jnp.uint32), hi, lo, idx, count), num_keys=3
-  )
-  sown = k0 == 0
-  first = jnp.concatenate([jnp.ones((1,), bool), (sh[1:] != sh[:-1]) | (sl[1:] != sl[:-1])])
-  new = sown & first
-  uid = jnp.where(sown, jnp.cumsum(new, dtype=jnp.int32) - 1, -1)
-  at = jnp.where(new, uid, n)
-  u_hi = jnp.zeros((n,), jnp.uint32).at[at].set(sh, mode="drop")
-  u_lo = jnp.zeros((n,), jnp.uint32).at[at].set(sl, mode="drop")
-  u_count = jax.ops.segment_sum(jnp.where(sown, scount, 0), jnp.where(sown, uid, n), num_segments=n)
-  u_valid = idx < jnp.sum(new, dtype=jnp.int32)
-  slot_uid = jnp.zeros((n,), jnp.int32).at[sidx].set(uid, unique_indices=True)
-  return u_hi, u_lo, u_count, u_valid, slot_uid
-
-
 def _claim(slot, want, value, claims):
   """(win, claims): which keys that `want` a `slot` win it (the least
   `value` per slot), and `claims` with their values recorded.
@@ -271,7 +250,7 @@ def owner_step(
   the slots whose physical row holds a logical row. `lane_dense`: read the
   probe windows as 128-lane rows where the map allows (a TPU's way;
   `sharding.probe_window`), the same results."""
-  u_hi, u_lo, u_cnt, u_valid, slot_uid = _dedup(recv_hi, recv_lo, recv_count)
+  u_hi, u_lo, u_cnt, u_valid, slot_uid = key_route.distinct(recv_hi, recv_lo, recv_count)
   n, capacity = u_hi.shape[0], m.key_hi.shape[0]
   rank = jnp.arange(n, dtype=jnp.int32)
   home = (u_lo % np.uint32(capacity)).astype(jnp.int32)

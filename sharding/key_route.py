@@ -10,8 +10,10 @@ words) and an *owner* (it holds the id map of its row shard,
 A source sorts its keys by (owner, high, low) and sends each distinct key
 once, with its number of occurrences, in a buffer of `num_shards *
 capacity` slots (one block per owner), by one all_to_all per array. The
-owner answers one value per slot it received (the key's row), and the same
-plan returns the answers: every token takes its key's slot's answer. So a
+owner merges what its sources sent (`distinct`: a key sent by several
+sources once, its counts summed) and answers one value per slot it
+received (the key's row), and the same plan returns the answers: every
+token takes its key's slot's answer. So a
 chip sorts, sends and answers about `num_shards * capacity` keys (1.25 x its
 tokens, plus a slack, with the default capacity), whatever the chip count.
 
@@ -122,3 +124,28 @@ def answer(route: KeyRoute, values: jax.Array, *, axis_name, fill) -> jax.Array:
   back = exchange(values, axis_name)
   at = jnp.maximum(route.token_slot, 0)
   return jnp.where(route.token_slot >= 0, back[at], jnp.asarray(fill, values.dtype))
+
+
+def distinct(hi: jax.Array, lo: jax.Array, count: jax.Array):
+  """An owner's distinct keys among the slots it received (`KeyRoute`'s
+  recv arrays, (n,)): the slots with a count, sorted by (high, low) and
+  deduplicated, their counts summed. A key's place in that order is its
+  rank. Returns (u_hi, u_lo (n,) uint32, u_count (n,) int32, u_valid (n,)
+  bool: the first `num distinct` places, slot_uid (n,) int32 each slot's
+  rank, -1 for an empty slot)."""
+  n = hi.shape[0]
+  idx = jnp.arange(n, dtype=jnp.int32)
+  k0, sh, sl, sidx, scount = jax.lax.sort(
+    ((count <= 0).astype(jnp.uint32), hi, lo, idx, count), num_keys=3
+  )
+  sown = k0 == 0
+  first = jnp.concatenate([jnp.ones((1,), bool), (sh[1:] != sh[:-1]) | (sl[1:] != sl[:-1])])
+  new = sown & first
+  uid = jnp.where(sown, jnp.cumsum(new, dtype=jnp.int32) - 1, -1)
+  at = jnp.where(new, uid, n)
+  u_hi = jnp.zeros((n,), jnp.uint32).at[at].set(sh, mode="drop")
+  u_lo = jnp.zeros((n,), jnp.uint32).at[at].set(sl, mode="drop")
+  u_count = jax.ops.segment_sum(jnp.where(sown, scount, 0), jnp.where(sown, uid, n), num_segments=n)
+  u_valid = idx < jnp.sum(new, dtype=jnp.int32)
+  slot_uid = jnp.zeros((n,), jnp.int32).at[sidx].set(uid, unique_indices=True)
+  return u_hi, u_lo, u_count, u_valid, slot_uid
