@@ -23,10 +23,8 @@
 // The XLA code resolves each insertion round with a scatter-min over the
 // claims, the lowest rank winning a slot; here the keys of a round are
 // visited in rank order and each takes its slot if it is still free, which
-// picks the same winners: a slot taken earlier in the round is no longer
-// free, and no step frees a slot. The XLA rounds cost a capacity-sized
-// scatter each (probe_limit of them, whoever is still waiting); these touch
-// only the keys still waiting.
+// picks the same winners: a slot taken earlier in the round or step is no
+// longer free, and no round frees a slot.
 
 #include <algorithm>
 #include <cstdint>

@@ -39,9 +39,8 @@ Per device the cost follows its own tokens, as in the static path: it sorts
 its tokens, and sends, dedups and answers `num_shards x key_capacity` keys.
 The source's sort (`key_route.buckets`) and the owner's steps 1 and 2
 (`owner_step`) may be computed elsewhere, bit for bit (`translate`'s
-`impl`: the native CPU kernels, where XLA:CPU pays a capacity-sized scatter
-per insertion round).
-Evaluation (`train=False`) reads only.
+`impl`: the native CPU kernels). On a TPU the windows are read as 128-lane
+rows (`sharding.probe_window`). Evaluation (`train=False`) reads only.
 """
 
 from __future__ import annotations
