@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sharding import key_route, probe_window
+from sharding import insert_rounds, key_route, probe_window
 from sharding.key_route import PAD
 from sharding.layout import RowLayout
 
@@ -134,22 +134,6 @@ def init_map(num_shards: int, capacity: int, depth: int, width: int) -> IdMap:
     sketch=np.zeros((num_shards * max(depth, 1), width if depth else 1), np.int32),
     step=np.zeros((), np.int32),
   )
-
-
-def _claim(slot, want, value, claims):
-  """(win, claims): which keys that `want` a `slot` win it (the least
-  `value` per slot), and `claims` with their values recorded.
-
-  `claims` (capacity,) int32 is made once per step and says which slots
-  this step took. A key claims with value round * n + rank: a slot claimed
-  in an earlier round keeps its smaller value, so a later claimant loses it
-  as if it were not free, and in one round the lowest rank wins. The rounds
-  read and write only `claims`, and the map is written once, after the last
-  round (`_take`).
-  """
-  capacity = claims.shape[0]
-  claims = claims.at[jnp.where(want, slot, capacity)].min(value, mode="drop")
-  return want & (claims[jnp.minimum(slot, capacity - 1)] == value), claims
 
 
 def _victims(last, count, inside, step, *, policy: str, ttl):
@@ -291,27 +275,9 @@ def owner_step(
     # claimed it; a victim must have been used, not in this step or the last.
     last = read(m.last)
     free = w.inside & (last < 0) & read(usable)
-    if (probe_limit + 1) * n >= 2**31:
-      raise ValueError(f"(probe_limit + 1) * keys = {(probe_limit + 1) * n} must fit int32.")
-
-    # The last place in its window where a key could find a free slot: the
-    # rounds stop when no waiting key has one ahead.
-    last_free = jnp.max(jnp.where(free, w.r, -1), axis=1)
-
-    def more(c):
-      r, _, _, left = c
-      return (r < probe_limit) & jnp.any(left & (last_free >= r))
-
-    def round_(c):
-      r, claims, slot, left = c
-      here = w.r == r
-      s = jnp.sum(jnp.where(here, w.pos, 0), axis=1)
-      want = left & jnp.any(free & here, axis=1)
-      win, claims = _claim(s, want, r * n + rank, claims)
-      return r + 1, claims, jnp.where(win, s, slot), left & ~win
-
-    claims = jnp.full((capacity,), np.iinfo(np.int32).max, jnp.int32)
-    _, claims, slot, left = jax.lax.while_loop(more, round_, (zero, claims, slot, admitted))
+    claims, won = insert_rounds.insert(free, w, admitted, capacity, probe_limit)
+    slot = jnp.where(won >= 0, won, slot)
+    left = admitted & (won < 0)
     if evict_on_insert:
       count = read(m.count)
       has, lane = _victims(last, count, w.inside, step, policy=policy, ttl=ttl)
@@ -320,7 +286,7 @@ def owner_step(
         has &= jnp.take_along_axis(count, lane[:, None], axis=1)[:, 0] <= estimate.astype(
           jnp.float32
         )
-      win, _ = _claim(s, left & has, probe_limit * n + rank, claims)
+      win, _ = insert_rounds.claim(s, left & has, probe_limit * n + rank, claims)
       slot = jnp.where(win, s, slot)
       left &= ~win
       evicted += jnp.sum(win, dtype=jnp.int32)

@@ -18,21 +18,22 @@ needs_native = pytest.mark.skipif(
 STEP = 9
 
 
-def _case(seed, capacity, probe_limit, n, sketch=(1, 1)):
-  """(map, recv_hi, recv_lo, recv_count, usable) of one owner."""
+def _case(seed, capacity, probe_limit, n, sketch=(1, 1), fill=0.75):
+  """(map, recv_hi, recv_lo, recv_count, usable) of one owner, `fill` of
+  its slots holding a key within its window."""
   rng = np.random.default_rng(seed)
   m = id_map.init_map(1, capacity, 0, 1)._replace(
     sketch=rng.integers(0, 3, sketch).astype(np.int32), step=np.int32(STEP)
   )
   resident = []
-  for _ in range(capacity * 3 // 4):
-    hi, lo = rng.integers(0, 2**32, 2, dtype=np.uint64).astype(np.uint32)
-    at = (int(lo) % capacity + rng.integers(0, probe_limit)) % capacity
-    if m.last[at] < 0:
-      m.key_hi[at], m.key_lo[at] = hi, lo
-      m.last[at] = rng.integers(0, STEP + 1)  # used this step, the last, or long ago
-      m.count[at] = rng.integers(0, 8)  # small integers: ties in every window
-      resident.append((hi, lo))
+  for at in np.flatnonzero(rng.random(capacity) < fill):
+    home = (at - rng.integers(0, probe_limit)) % capacity
+    hi = np.uint32(rng.integers(0, 2**32))
+    lo = np.uint32(rng.integers(0, 2**32 // capacity) * capacity + home)
+    m.key_hi[at], m.key_lo[at] = hi, lo
+    m.last[at] = rng.integers(0, STEP + 1)  # used this step, the last, or long ago
+    m.count[at] = rng.integers(0, 8)  # small integers: ties in every window
+    resident.append((hi, lo))
   keys = [
     resident[i] for i in rng.choice(len(resident), min(n // 3, len(resident) // 2), replace=False)
   ]
@@ -69,11 +70,15 @@ def _run(step_fn, case, params, train):
 
 @pytest.mark.parametrize("train", [True, False], ids=["train", "read"])
 @pytest.mark.parametrize("name", sorted(CASES))
-@pytest.mark.parametrize("capacity,probe_limit", [(256, 16), (128, 100)])
-def test_owner_step_is_the_same_bits_every_way(capacity, probe_limit, name, train):
+@pytest.mark.parametrize(
+  "capacity,probe_limit,fill",
+  [(256, 16, 0.75), (128, 100, 0.75), (256, 16, 0.99)],
+  ids=["256-16", "128-100-wrapping", "256-16-full"],  # full: few keys find a free slot
+)
+def test_owner_step_is_the_same_bits_every_way(capacity, probe_limit, fill, name, train):
   params = dict(CASES[name], probe_limit=probe_limit)
   sketch = (2, 64) if params["admit_after"] > 1 else (1, 1)
-  case = _case(capacity + probe_limit, capacity, probe_limit, 300, sketch)
+  case = _case(capacity + probe_limit, capacity, probe_limit, 300, sketch, fill)
   want = _run(id_map.owner_step, case, params, train)
   if train:  # the case exercises every rule (short windows fill: some keys fail)
     evicted, inserted, _, failed = (int(x) for x in want[-4:])

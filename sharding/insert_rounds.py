@@ -1,0 +1,100 @@
+"""The id map's insertion rounds: waiting keys claim free slots of their
+probe windows, round by round (`sharding.id_map`, step 2).
+
+In round r every key still waiting claims the r-th slot of its window if
+that slot was free at the step's start; the lowest rank wins a slot claimed
+twice, and a slot taken in an earlier round is lost to later claimants. A
+claim's value is round * n + rank, kept by a scatter-min in `claims`
+(capacity,): a slot's earlier claim keeps the smaller value, so the rounds
+need no other state, and the map is written once, after them.
+
+A round costs a scatter and a gather of every key, whoever still waits, and
+the rounds run while any key has a free slot ahead. Few keys usually do (a
+full map's newcomers find no free slot at all), so when they fit a tenth of
+the keys they are gathered first and the rounds run over them alone; the
+claims, and so every winner, are the same.
+
+Pure functions of one device's arrays, inside `jax.shard_map` or not.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sharding.probe_window import Windows
+
+UNCLAIMED = np.iinfo(np.int32).max
+
+
+def claim(slot, want, value, claims):
+  """(win, claims): which keys that `want` a `slot` win it (the least
+  `value` per slot), and `claims` with their values recorded."""
+  capacity = claims.shape[0]
+  claims = claims.at[jnp.where(want, slot, capacity)].min(value, mode="drop")
+  return want & (claims[jnp.minimum(slot, capacity - 1)] == value), claims
+
+
+def _rounds(claims, free, w: Windows, waiting, rank, num_keys: int, probe_limit: int):
+  """(claims, slot (k,) won or -1) of rounds over k keys' (k, W) lanes."""
+  last_free = jnp.max(jnp.where(free, w.r, -1), axis=1)  # -1: nothing to claim
+
+  def more(c):
+    r, _, _, left = c
+    return (r < probe_limit) & jnp.any(left & (last_free >= r))
+
+  def round_(c):
+    r, claims, slot, left = c
+    here = w.r == r
+    s = jnp.sum(jnp.where(here, w.pos, 0), axis=1)
+    win, claims = claim(s, left & jnp.any(free & here, axis=1), r * num_keys + rank, claims)
+    return r + 1, claims, jnp.where(win, s, slot), left & ~win
+
+  slot = jnp.full(rank.shape, -1, jnp.int32)
+  zero = jnp.zeros((), jnp.int32)
+  _, claims, slot, _ = jax.lax.while_loop(more, round_, (zero, claims, slot, waiting))
+  return claims, slot
+
+
+def insert(free, w: Windows, waiting, capacity: int, probe_limit: int):
+  """The rounds of one step.
+
+  Args:
+    free: (n, W) bool the lanes whose slot is free at the step's start.
+    w: the keys' probe windows (`sharding.probe_window`).
+    waiting: (n,) bool the keys to insert (admitted, not resident).
+    capacity: the map's slots.
+    probe_limit: the rounds (the window's length).
+
+  Returns:
+    (claims (capacity,) int32, UNCLAIMED where no round claimed; slot (n,)
+    int32 the slot each key won, -1 for none).
+  """
+  n = waiting.shape[0]
+  if (probe_limit + 1) * n >= 2**31:
+    raise ValueError(f"(probe_limit + 1) * keys = {(probe_limit + 1) * n} must fit int32.")
+  rank = jnp.arange(n, dtype=jnp.int32)
+  claims = jnp.full((capacity,), UNCLAIMED, jnp.int32)
+  may = waiting & jnp.any(free, axis=1)
+  few = max(1, n // 10)
+  if few >= n:
+    return _rounds(claims, free, w, may, rank, n, probe_limit)
+
+  def all_keys(_):
+    return _rounds(claims, free, w, may, rank, n, probe_limit)
+
+  def the_few(_):
+    # Rank order kept: the i-th key that may win is at i; n pads.
+    idx = (
+      jnp.full((few,), n, jnp.int32)
+      .at[jnp.where(may, jnp.cumsum(may) - 1, few)]
+      .set(rank, mode="drop")
+    )
+    valid = idx < n
+    at = lambda x: x[jnp.minimum(idx, n - 1)]
+    sub = Windows(at(w.pos), at(w.r), at(w.inside), None)
+    got, slot = _rounds(claims, at(free) & valid[:, None], sub, valid, at(rank), n, probe_limit)
+    return got, jnp.full((n,), -1, jnp.int32).at[idx].set(slot, mode="drop")
+
+  return jax.lax.cond(jnp.sum(may) <= few, the_few, all_keys, None)
