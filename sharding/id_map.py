@@ -281,11 +281,10 @@ def owner_step(
     if evict_on_insert:
       count = read(m.count)
       has, lane = _victims(last, count, w.inside, step, policy=policy, ttl=ttl)
-      s = jnp.take_along_axis(w.pos, lane[:, None], axis=1)[:, 0]
+      at_victim = lambda x: jnp.take_along_axis(x, lane[:, None], axis=1)[:, 0]
+      s = at_victim(w.pos)
       if policy == "lfu":  # a one-off never pushes out a more frequent id
-        has &= jnp.take_along_axis(count, lane[:, None], axis=1)[:, 0] <= estimate.astype(
-          jnp.float32
-        )
+        has &= at_victim(count) <= estimate.astype(jnp.float32)
       win, _ = insert_rounds.claim(s, left & has, probe_limit * n + rank, claims)
       slot = jnp.where(win, s, slot)
       left &= ~win

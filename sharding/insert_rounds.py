@@ -78,8 +78,6 @@ def insert(free, w: Windows, waiting, capacity: int, probe_limit: int):
   claims = jnp.full((capacity,), UNCLAIMED, jnp.int32)
   may = waiting & jnp.any(free, axis=1)
   few = max(1, n // 10)
-  if few >= n:
-    return _rounds(claims, free, w, may, rank, n, probe_limit)
 
   def all_keys(_):
     return _rounds(claims, free, w, may, rank, n, probe_limit)
@@ -91,10 +89,11 @@ def insert(free, w: Windows, waiting, capacity: int, probe_limit: int):
       .at[jnp.where(may, jnp.cumsum(may) - 1, few)]
       .set(rank, mode="drop")
     )
-    valid = idx < n
-    at = lambda x: x[jnp.minimum(idx, n - 1)]
-    sub = Windows(at(w.pos), at(w.r), at(w.inside), None)
-    got, slot = _rounds(claims, at(free) & valid[:, None], sub, valid, at(rank), n, probe_limit)
+    valid, key = idx < n, jnp.minimum(idx, n - 1)  # a key's index is its rank
+    sub = Windows(w.pos[key], w.r[key], w.inside[key], None)
+    got, slot = _rounds(claims, free[key] & valid[:, None], sub, valid, key, n, probe_limit)
     return got, jnp.full((n,), -1, jnp.int32).at[idx].set(slot, mode="drop")
 
+  if few >= n:
+    return all_keys(None)
   return jax.lax.cond(jnp.sum(may) <= few, the_few, all_keys, None)
