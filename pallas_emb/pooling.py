@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_emb.inputs import Ragged, Weighted
+from pallas_emb.tokens import flatten
 
 
 class BagWeights(NamedTuple):
@@ -56,7 +57,8 @@ def ragged_bags(lengths: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array
 
 
 def token_ids(x: Any) -> tuple[jax.Array, jax.Array]:
-  """A feature block -> ((n,) int32 ids in token order, () ids dropped).
+  """A feature block -> ((n,) int32 ids in token order (`tokens`), () ids
+  dropped).
 
   Ragged slots past the shard's total length read as padding (-1), so an
   id left in them cannot be looked up.
@@ -65,7 +67,7 @@ def token_ids(x: Any) -> tuple[jax.Array, jax.Array]:
     bags, dropped = ragged_bags(x.lengths, x.ids.shape[0])
     return jnp.where(bags < x.lengths.shape[0], x.ids, -1), dropped
   ids = x.ids if isinstance(x, Weighted) else x
-  return ids.reshape(-1), jnp.zeros((), jnp.int32)
+  return flatten(ids), jnp.zeros((), jnp.int32)
 
 
 def _normalize(w, combiner, bag_sum, to_tokens):
@@ -84,48 +86,49 @@ def pool(x: Any, rows: jax.Array, has_row: jax.Array, combiner):
 
   Args:
     x: the feature block (its input form and weights).
-    rows: (b, L, D) rows (C, 1, D when ragged), zero where no row.
-    has_row: (b, L) (or (C, 1)) bool, True where the id got a row.
+    rows: (L, b, D) the feature's token rows (`tokens`; (1, C, D) when
+      ragged), zero where no row.
+    has_row: (L, b) (or (1, C)) bool, True where the id got a row.
     combiner: the feature's combiner (None: a sequence of padded ids).
 
   Returns:
     (output, weights): (b, D) float32 (or (b, L, D) for a sequence); the
     residual weights for `expand`.
   """
-  w = has_row.astype(jnp.float32)
+  w = has_row.T.astype(jnp.float32)
   if isinstance(x, Ragged):
     w = w[:, 0] if x.weights is None else w[:, 0] * x.weights.astype(jnp.float32)
     b = x.lengths.shape[0]
     bags, _ = ragged_bags(x.lengths, w.shape[0])
     bag_sum = lambda v: jax.ops.segment_sum(v, bags, num_segments=b, indices_are_sorted=True)
     w = _normalize(w, combiner, bag_sum, lambda v: jnp.take(v, bags, mode="fill", fill_value=0))
-    return bag_sum(rows[:, 0] * w[:, None]), BagWeights(w, bags, x.lengths)
+    return bag_sum(rows[0] * w[:, None]), BagWeights(w, bags, x.lengths)
   if isinstance(x, Weighted):
     w = w * x.weights.astype(jnp.float32)
   if combiner is None:
-    return rows, w  # sequences: validated unweighted
+    return jnp.swapaxes(rows, 0, 1), w  # sequences: validated unweighted
   w = _normalize(w, combiner, lambda v: jnp.sum(v, axis=1, keepdims=True), lambda v: v)
-  out = jnp.sum(rows * w[..., None], axis=1)
+  out = jnp.sum(rows * w.T[..., None], axis=0)
   return out, (BagWeights(w) if isinstance(x, Weighted) else w)
 
 
 def expand(grads: jax.Array, w: Any, combiner) -> jax.Array:
-  """Gradient w.r.t. one feature's output -> per-token gradients shaped
-  like its token block: (b, L, D) (or (C, 1, D) when ragged)."""
+  """Gradient w.r.t. one feature's output -> its per-token gradients as an
+  (L, b, D) block (`tokens`; (1, C, D) when ragged)."""
   grads = grads.astype(jnp.float32)
   if isinstance(w, BagWeights):
     if w.bags is not None:
       per_token = jnp.take(grads, w.bags, axis=0, mode="fill", fill_value=0)
-      return (per_token * w.weights[:, None])[:, None, :]
-    return grads[:, None, :] * w.weights[..., None]
+      return (per_token * w.weights[:, None])[None]
+    return grads * w.weights.T[..., None]
   if combiner is None:
-    return grads
+    return jnp.swapaxes(grads, 0, 1)
   if combiner == "sum":
     # The weights are 1 for every id that has a row and 0 for the others,
     # whose slot is -1 anyway: multiplying would only cost a token-sized
     # temporary (on CPU, its page faults cost more than the whole segment sum).
-    return jnp.broadcast_to(grads[:, None, :], w.shape + grads.shape[-1:])
-  return grads[:, None, :] * w[..., None]
+    return jnp.broadcast_to(grads, (w.shape[1],) + grads.shape)
+  return grads * w.T[..., None]
 
 
 def output_shape(combiner, w: Any, dim: int) -> tuple[int, ...]:

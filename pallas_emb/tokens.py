@@ -1,11 +1,22 @@
 """The order of one table's ids on each device, written once.
 
 On each device a table's ids are its features' blocks of that device's
-examples, each flattened, concatenated in feature order: feature f's block
-of shape (B_f / S, L_f) becomes B_f / S * L_f consecutive tokens. Residuals,
-per-token gradients and pending async updates follow this order; checkpoints
-store per-feature arrays instead, so that a checkpoint does not depend on the
-number of shards.
+examples, each flattened position-major, concatenated in feature order:
+feature f's block of shape (b, L) (b = B_f / S) becomes L * b consecutive
+tokens, token l * b + e being example e's l-th id (a ragged feature's C ids
+are one position of C). Residuals, per-token gradients and pending async
+updates follow this order; checkpoints store per-feature arrays instead, so
+that a checkpoint depends neither on the number of shards nor on this order.
+
+Per-token arrays of one feature are handled as (L, b, ...) blocks. Why: a
+TPU tiles an array's last two dimensions by (8, 128). A (b, L, D) block
+whose L is not a multiple of 8 (a history of 20 ids) is not the same bytes
+as its (b * L, D) tokens, so every reshape between them copies the whole
+token array; (L, b, D) with b a multiple of 8 is. Features of one batch
+size are joined along L before the reshape, so that pooling (a sum over L)
+reads the gathered token rows in place and the backward's expansion (a
+broadcast over L) writes the token array in one pass, with no slice or
+concatenation of token-sized arrays between.
 """
 
 from __future__ import annotations
@@ -18,17 +29,41 @@ import jax.numpy as jnp
 # -- per device (inside shard_map) --------------------------------------------
 
 
+def flatten(block: jax.Array) -> jax.Array:
+  """One feature's (b, L, ...) array -> its (L * b, ...) tokens."""
+  return jnp.swapaxes(block, 0, 1).reshape((-1,) + block.shape[2:])
+
+
+def _runs(widths: Sequence[int]) -> list[tuple[int, int]]:
+  """[start, end) of each run of consecutive features of one b."""
+  runs, start = [], 0
+  for i in range(1, len(widths) + 1):
+    if i == len(widths) or widths[i] != widths[start]:
+      runs.append((start, i))
+      start = i
+  return runs
+
+
 def concat_tokens(blocks: Sequence[jax.Array]) -> jax.Array:
-  """Per-feature (b, L, ...) blocks -> (sum of b * L, ...) tokens."""
-  return jnp.concatenate([x.reshape((-1,) + x.shape[2:]) for x in blocks])
+  """Per-feature (L, b, ...) blocks -> the table's (sum of L * b, ...) tokens."""
+  tail = blocks[0].shape[2:]
+  runs = [
+    jnp.concatenate(blocks[i:j]).reshape((-1,) + tail)
+    for i, j in _runs([x.shape[1] for x in blocks])
+  ]
+  return runs[0] if len(runs) == 1 else jnp.concatenate(runs)
 
 
 def split_tokens(tokens: jax.Array, shapes: Sequence[tuple[int, int]]) -> list[jax.Array]:
-  """(n, ...) tokens -> per-feature (b, L, ...) blocks of the given (b, L)."""
+  """The table's (n, ...) tokens -> per feature of the given (b, L) its
+  (L, b, ...) block."""
   out, start = [], 0
-  for b, l in shapes:
-    out.append(tokens[start : start + b * l].reshape((b, l) + tokens.shape[1:]))
-    start += b * l
+  for i, j in _runs([b for b, _ in shapes]):
+    b, ls = shapes[i][0], [l for _, l in shapes[i:j]]
+    run = tokens[start : start + b * sum(ls)].reshape((sum(ls), b) + tokens.shape[1:])
+    start += b * sum(ls)
+    offsets = [sum(ls[:k]) for k in range(len(ls) + 1)]
+    out.extend(run[offsets[k] : offsets[k + 1]] for k in range(len(ls)))
   return out
 
 
@@ -43,9 +78,11 @@ def to_device_order(
   """feature -> (B, L, ...) global arrays -> (S * n, ...) in device order."""
   blocks = [per_feature[n] for n in names]
   tail = blocks[0].shape[2:]
-  return jnp.concatenate([x.reshape((num_shards, -1) + tail) for x in blocks], axis=1).reshape(
-    (-1,) + tail
-  )
+  per_device = [
+    jnp.swapaxes(x.reshape((num_shards, -1) + x.shape[1:]), 1, 2).reshape((num_shards, -1) + tail)
+    for x in blocks
+  ]
+  return jnp.concatenate(per_device, axis=1).reshape((-1,) + tail)
 
 
 def from_device_order(
@@ -56,6 +93,7 @@ def from_device_order(
   out, start = {}, 0
   for name, (b, l) in zip(names, shapes):
     size = b // num_shards * l
-    out[name] = per_device[:, start : start + size].reshape((b, l) + tokens.shape[1:])
+    block = per_device[:, start : start + size].reshape((num_shards, l, -1) + tokens.shape[1:])
+    out[name] = jnp.swapaxes(block, 1, 2).reshape((b, l) + tokens.shape[1:])
     start += size
   return out
