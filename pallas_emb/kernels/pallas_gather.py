@@ -10,8 +10,8 @@ buffers, chunk i in buffer i % 2):
 
     step 0:     start the reads of chunk 0                  -> buffer 0
     every step: start the reads of chunk i+1                -> buffer (i+1) % 2
-                wait the reads of chunk i
-                unpack (zero rows for padding) into the output block
+                wait the reads of chunk i, zero its padding rows
+                unpack into the output block
 
 Buffer (i+1) % 2 is free to refill at step i: its chunk was unpacked at step
 i-1 and nothing else reads it. So the reads of chunk i+1 overlap the unpack of
@@ -20,11 +20,11 @@ chunk i and the write-back of output block i-1; up to 2 * C row DMAs
 
 Row ids are scalar-prefetched into SMEM to address the DMAs, one window of
 ids per kernel call (`chip.window_ids`), so any number of ids fits. Padding
-ids are never copied: their buffer rows are zeroed instead, so the output
-needs no mask (a (C, 1) mask block would be padded to 128 lanes). bfloat16
-rows travel as their uint32 storage words and are unpacked in VMEM (see
-`pallas_emb.packing` and the note on lane
-alignment in `pallas_update`).
+ids copy row 0 (`row_dma`'s `pad_reads`: the chunk is then waited at once)
+and their buffer rows are zeroed after the wait, so the output needs no mask
+(a (C, 1) mask block would be padded to 128 lanes). bfloat16 rows travel as
+their uint32 storage words and are unpacked in VMEM (see `pallas_emb.packing`
+and the note on lane alignment in `pallas_update`).
 """
 
 from __future__ import annotations
@@ -79,6 +79,8 @@ def _gather_kernel(rows_ref, table_hbm, out_ref, buf, *scratch, dtype, num_rows,
   chunk = buf.shape[1]
   i = pl.program_id(0)
   cur = i % 2
+  # A table of fewer rows than a chunk cannot be waited chunk-sized.
+  pad_reads = table_hbm.shape[0] >= chunk
 
   def copies(step, slot):
     return row_dma.ChunkCopies(
@@ -88,7 +90,7 @@ def _gather_kernel(rows_ref, table_hbm, out_ref, buf, *scratch, dtype, num_rows,
       [buf.at[slot]],
       [sems.at[slot]],
       num_rows=num_rows,
-      zero_skipped=True,
+      pad_reads=pad_reads,
       shift=shift,
     )
 
@@ -100,7 +102,9 @@ def _gather_kernel(rows_ref, table_hbm, out_ref, buf, *scratch, dtype, num_rows,
   def _():
     copies(i + 1, 1 - cur).start()
 
-  copies(i, cur).wait()
+  current = copies(i, cur)
+  current.wait()
+  current.zero_padding()
   if not shift:
     out_ref[...] = packing.unpack_rows(buf[cur], dtype)
     return

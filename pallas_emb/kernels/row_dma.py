@@ -7,9 +7,17 @@ copies of one array share one DMA semaphore, and every copy is waited with
 the same row-sized descriptor that started it, so one semaphore counts many
 copies in flight.
 
-Row ids outside [0, num_rows) -- -1 padding -- are never copied: no DMA may
-leave the table, and a skipped row's (stale) buffer row is never written back
-(or, for a read that asks so, is zeroed instead).
+Row ids outside [0, num_rows) -- -1 padding -- never address the table: no
+DMA may leave it. A skipped row's (stale) buffer row is never written back.
+A gather's reads (`pad_reads`) copy row 0 for them instead and zero them
+after the wait: then every row of the chunk is in flight, and the chunk is
+waited with one chunk-sized wait rather than a loop of row-sized ones.
+
+The loops over a chunk's rows issue one DMA per row from the scalar core,
+which bounds the kernels on a TPU; they are unrolled by 8. On one v5e chip,
+a gather of 107,776 rows (a fifth of them padding) of a 1M x 128 float32
+table took 5.36 ms as plain loops, 4.46 ms unrolled, and 3.69 ms unrolled
+with the single wait (the kernel alone, median of 20 calls).
 """
 
 from __future__ import annotations
@@ -35,8 +43,10 @@ class ChunkCopies:
     sems: one DMA semaphore per HBM ref.
     num_rows: R; ids outside [0, R) are skipped.
     to_hbm: write the chunk back (VMEM -> HBM) instead of reading it.
-    zero_skipped: when starting reads, zero the buffer rows of skipped ids
-      (a gather's padding rows must read zero, not stale data).
+    pad_reads: reads copy row 0 for padding ids, so that `wait` is one wait
+      of the whole chunk; `zero_padding` then zeroes those buffer rows (a
+      gather's padding rows must read zero). Only for an array that no DMA
+      writes meanwhile, and of at least C rows.
     shift: copy HBM row `id >> shift` (a lane-dense group of 2**shift rows;
       see `scalar_slots`) instead of row `id`.
   """
@@ -51,48 +61,75 @@ class ChunkCopies:
     *,
     num_rows: int,
     to_hbm: bool = False,
-    zero_skipped: bool = False,
+    pad_reads: bool = False,
     shift: int = 0,
   ):
     self._ids, self._offset = ids, offset
     self._arrays = tuple(zip(hbm, vmem, sems))
     self._num_rows, self._to_hbm = num_rows, to_hbm
-    self._zero_skipped = zero_skipped and not to_hbm
+    self._chunk = self._arrays[0][1].shape[0]
+    self._pad_reads = pad_reads and not to_hbm
+    if self._pad_reads and any(hbm.shape[0] < self._chunk for hbm, _, _ in self._arrays):
+      raise ValueError(f"pad_reads needs arrays of at least {self._chunk} rows")
     self._shift = shift
 
   def start(self) -> None:
     """Starts every copy of the chunk."""
-    self._each(lambda copy: copy.start(), zero=self._zero_skipped)
+    if not self._pad_reads:
+      self._each(lambda row, j, copy: copy.start())
+      return
+
+    def body(row, valid, j):
+      for hbm, vmem, sem in self._arrays:
+        src = hbm.at[pl.ds(jnp.where(valid, row >> self._shift, 0), 1)]
+        pltpu.make_async_copy(src, vmem.at[pl.ds(j, 1)], sem).start()
+
+    self._loop(body)
 
   def wait(self) -> None:
     """Waits for every copy of the chunk."""
-    self._each(lambda copy: copy.wait())
+    if not self._pad_reads:
+      self._each(lambda row, j, copy: copy.wait())
+      return
+    for hbm, vmem, sem in self._arrays:
+      # A DMA semaphore counts bytes: one wait of the chunk's size covers
+      # its C row copies.
+      pltpu.make_async_copy(hbm.at[pl.ds(0, self._chunk)], vmem, sem).wait()
 
-  def _each(self, action: Callable, zero: bool = False) -> None:
-    chunk = self._arrays[0][1].shape[0]
+  def zero_padding(self) -> None:
+    """After `wait`: zeroes the buffer rows of padding ids."""
 
-    def body(j, carry):
-      row = self._ids[self._offset + j]
-      valid = (row >= 0) & (row < self._num_rows)
+    def body(row, valid, j):
+      @pl.when(jnp.logical_not(valid))
+      def _():
+        for _, vmem, _ in self._arrays:
+          vmem[pl.ds(j, 1), :] = jnp.zeros((1, vmem.shape[1]), vmem.dtype)
 
+    self._loop(body)
+
+  def _each(self, action: Callable) -> None:
+    """`action(row, j, copy)` on the copy of each valid id's row."""
+
+    def body(row, valid, j):
       @pl.when(valid)
       def _():
         for hbm, vmem, sem in self._arrays:
           src, dst = hbm.at[pl.ds(row >> self._shift, 1)], vmem.at[pl.ds(j, 1)]
           if self._to_hbm:
             src, dst = dst, src
-          action(pltpu.make_async_copy(src, dst, sem))
+          action(row, j, pltpu.make_async_copy(src, dst, sem))
 
-      if zero:
+    self._loop(body)
 
-        @pl.when(jnp.logical_not(valid))
-        def _():
-          for _, vmem, _ in self._arrays:
-            vmem[pl.ds(j, 1), :] = jnp.zeros((1, vmem.shape[1]), vmem.dtype)
+  def _loop(self, body: Callable) -> None:
+    """`body(row, valid, j)` for each id j of the chunk, unrolled by 8."""
 
+    def step(j, carry):
+      row = self._ids[self._offset + j]
+      body(row, (row >= 0) & (row < self._num_rows), j)
       return carry
 
-    lax.fori_loop(0, chunk, body, 0)
+    lax.fori_loop(0, self._chunk, step, 0, unroll=min(8, self._chunk))
 
 
 class _Copies:
