@@ -81,6 +81,19 @@ def _normalize(w, combiner, bag_sum, to_tokens):
   return w
 
 
+def _sum_positions(x: jax.Array) -> jax.Array:
+  """(L, b, D) -> (b, D), the sum over L, as a (1, L) x (L, b * D) product.
+
+  Why not `jnp.sum(x, axis=0)`: XLA:CPU hands a reduce over the major axis,
+  with the dense layer it feeds, to XNNPACK, and a whole step with a 20-id
+  history took 1.5 times as long (1.9 times with 100 ids) as with this
+  product, which reads x once on every backend.
+  """
+  l, b, d = x.shape
+  ones = jnp.ones((1, l), x.dtype)
+  return jnp.dot(ones, x.reshape(l, b * d), precision="highest").reshape(b, d)
+
+
 def pool(x: Any, rows: jax.Array, has_row: jax.Array, combiner):
   """One feature's output from its token rows.
 
@@ -108,7 +121,7 @@ def pool(x: Any, rows: jax.Array, has_row: jax.Array, combiner):
   if combiner is None:
     return jnp.swapaxes(rows, 0, 1), w  # sequences: validated unweighted
   w = _normalize(w, combiner, lambda v: jnp.sum(v, axis=1, keepdims=True), lambda v: v)
-  out = jnp.sum(rows * w.T[..., None], axis=0)
+  out = _sum_positions(rows * w.T[..., None])
   return out, (BagWeights(w) if isinstance(x, Weighted) else w)
 
 
