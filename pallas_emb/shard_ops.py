@@ -154,7 +154,7 @@ def lookup_shard(t: ShardedTable, table: jax.Array, blocks: Sequence):
     plan,
     slot_rows,
     axis_name=t.axis,
-    take=lambda x, idx: kernels.gather(x, idx, dtype=jnp.float32, backend=t.backend),
+    take=lambda x, idx: kernels.gather(x, idx, dtype=jnp.float32, backend=t.backend, in_hbm=False),
   )
   outs, weights = pool_all(t, blocks, rows, plan.token_slot >= 0)
   return outs, make_residuals(unique, plan, weights, counts)

@@ -42,14 +42,17 @@ def uses_kernel(backend: str, table, slots=None, optimizer=None) -> bool:
   return backend == "interpret" or all(a.shape[1] % chip.LANES == 0 for a in arrays)
 
 
-def gather(table, rows, *, dtype, backend: str, dim: int | None = None):
+def gather(table, rows, *, dtype, backend: str, dim: int | None = None, in_hbm: bool = True):
   """(C,) local rows (-1 padding) of a stored table -> (C, dim) float32.
 
   `dim`: the row width, for a table that may be stored packed
-  (`pallas_emb.packing`); None for rows stored as they are."""
+  (`pallas_emb.packing`); None for rows stored as they are. `in_hbm`: see
+  `pallas_gather.gather` (False for rows the step computed)."""
   if not uses_kernel(backend, table):
     return xla.gather(table, rows, dtype=dtype, dim=dim)
-  return pallas_gather.gather(table, rows, dtype=dtype, dim=dim, interpret=_kernel_mode(backend))
+  return pallas_gather.gather(
+    table, rows, dtype=dtype, dim=dim, interpret=_kernel_mode(backend), in_hbm=in_hbm
+  )
 
 
 def fused_update(

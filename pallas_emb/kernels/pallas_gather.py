@@ -1,8 +1,9 @@
 """Gather of table rows into a dense block: a Pallas TPU kernel.
 
 Why manual DMAs: the rows are scattered through a table far larger than VMEM,
-so the table stays in HBM (`memory_space=pltpu.HBM`) and each listed row is its
-own DMA into VMEM; the unpacked rows leave through an ordinary output
+so the table stays in HBM (`memory_space=pltpu.HBM`; an array the step
+computed may stay wherever XLA put it, `in_hbm=False`) and each listed row is
+its own DMA into VMEM; the unpacked rows leave through an ordinary output
 BlockSpec, which Pallas pipelines to HBM.
 
 The schedule, for chunks of C row ids (grid step i handles chunk i; two VMEM
@@ -122,6 +123,7 @@ def gather(
   chunk_rows: int = DEFAULT_CHUNK_ROWS,
   window_rows: int | None = None,
   target: chip_lib.Target = None,
+  in_hbm: bool = True,
 ) -> jax.Array:
   """Reads rows of a stored table; see `xla.gather`.
 
@@ -138,6 +140,10 @@ def gather(
       rounded up to 8).
     window_rows: ids per kernel call (default: what fits SMEM).
     target: the chip to size VMEM for; see `chip.resolve_chip`.
+    in_hbm: keep `table` in HBM for the call (a stored table: else XLA may
+      stage a small enough one in VMEM, copying all of it every step).
+      False for an array the step computes (the rows an all_to_all
+      returned), which XLA may then leave in VMEM rather than copy to HBM.
 
   Returns:
     (U, dim) float32, zero rows for padding.
@@ -177,18 +183,31 @@ def gather(
     window=window,
     interpret=params,
     vmem_limit=chip_lib.vmem_limit_bytes(footprint, chip),
+    in_hbm=in_hbm,
   )
 
 
 @functools.partial(
   jax.jit,
-  static_argnames=["num_ids", "dim", "dtype", "chunk", "window", "interpret", "vmem_limit"],
+  static_argnames=[
+    "num_ids",
+    "dim",
+    "dtype",
+    "chunk",
+    "window",
+    "interpret",
+    "vmem_limit",
+    "in_hbm",
+  ],
 )
-def _gather_call(table, rows, *, num_ids, dim, dtype, chunk, window, interpret, vmem_limit):
+def _gather_call(table, rows, *, num_ids, dim, dtype, chunk, window, interpret, vmem_limit, in_hbm):
   """The kernel, once per window of ids."""
   width = packing.storage_width(dim, dtype)
   shift = sub_rows.shift_of(width, table.shape[1])
   num_rows = packing.num_rows_of(table, width)
+  space = pltpu.HBM if in_hbm else pl.ANY
+  if in_hbm:
+    table = pltpu.with_memory_space_constraint(table, pltpu.HBM)
   outs = []
   for start in range(0, num_ids, window):
     size = min(window, num_ids - start)
@@ -210,7 +229,7 @@ def _gather_call(table, rows, *, num_ids, dim, dtype, chunk, window, interpret, 
         grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=1,
           grid=(steps,),
-          in_specs=[pl.BlockSpec(memory_space=pltpu.HBM)],
+          in_specs=[pl.BlockSpec(memory_space=space)],
           out_specs=pl.BlockSpec((chunk, dim), lambda i, rows: (i, 0)),
           scratch_shapes=[pltpu.VMEM((2, chunk, table.shape[1]), table.dtype)]
           + [pltpu.VMEM((chunk, packing.LANES), jnp.int32)] * (shift > 0)
@@ -224,11 +243,6 @@ def _gather_call(table, rows, *, num_ids, dim, dtype, chunk, window, interpret, 
         ),
         cost_estimate=cost,
         interpret=interpret,
-      )(
-        rows[start : start + window],
-        # In HBM, stated: else XLA may stage a small enough table in VMEM for
-        # the call, copying all of it every step.
-        pltpu.with_memory_space_constraint(table, pltpu.HBM),
-      )
+      )(rows[start : start + window], table)
     )
   return outs[0] if len(outs) == 1 else jnp.concatenate(outs)

@@ -76,7 +76,7 @@ class ChunkCopies:
   def start(self) -> None:
     """Starts every copy of the chunk."""
     if not self._pad_reads:
-      self._each(lambda row, j, copy: copy.start())
+      self._each(lambda copy: copy.start())
       return
 
     def body(row, valid, j):
@@ -89,7 +89,7 @@ class ChunkCopies:
   def wait(self) -> None:
     """Waits for every copy of the chunk."""
     if not self._pad_reads:
-      self._each(lambda row, j, copy: copy.wait())
+      self._each(lambda copy: copy.wait())
       return
     for hbm, vmem, sem in self._arrays:
       # A DMA semaphore counts bytes: one wait of the chunk's size covers
@@ -108,7 +108,7 @@ class ChunkCopies:
     self._loop(body)
 
   def _each(self, action: Callable) -> None:
-    """`action(row, j, copy)` on the copy of each valid id's row."""
+    """`action(copy)` on the copy of each valid id's row."""
 
     def body(row, valid, j):
       @pl.when(valid)
@@ -117,7 +117,7 @@ class ChunkCopies:
           src, dst = hbm.at[pl.ds(row >> self._shift, 1)], vmem.at[pl.ds(j, 1)]
           if self._to_hbm:
             src, dst = dst, src
-          action(row, j, pltpu.make_async_copy(src, dst, sem))
+          action(pltpu.make_async_copy(src, dst, sem))
 
     self._loop(body)
 
