@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_emb.inputs import Ragged, Weighted
-from pallas_emb.tokens import flatten
+from pallas_emb.tokens import Factored, flatten
 
 
 class BagWeights(NamedTuple):
@@ -125,23 +125,23 @@ def pool(x: Any, rows: jax.Array, has_row: jax.Array, combiner):
   return out, (BagWeights(w) if isinstance(x, Weighted) else w)
 
 
-def expand(grads: jax.Array, w: Any, combiner) -> jax.Array:
-  """Gradient w.r.t. one feature's output -> its per-token gradients as an
-  (L, b, D) block (`tokens`; (1, C, D) when ragged)."""
+def expand(grads: jax.Array, w: Any, combiner):
+  """Gradient w.r.t. one feature's output -> its per-token gradients: an
+  (L, b, D) block (`tokens`; (1, C, D) when ragged), as a `Factored`
+  product except for a sequence."""
   grads = grads.astype(jnp.float32)
   if isinstance(w, BagWeights):
     if w.bags is not None:
       per_token = jnp.take(grads, w.bags, axis=0, mode="fill", fill_value=0)
-      return (per_token * w.weights[:, None])[None]
-    return grads * w.weights.T[..., None]
+      return Factored(per_token, w.weights[None])
+    return Factored(grads, w.weights.T)
   if combiner is None:
     return jnp.swapaxes(grads, 0, 1)
   if combiner == "sum":
     # The weights are 1 for every id that has a row and 0 for the others,
-    # whose slot is -1 anyway: multiplying would only cost a token-sized
-    # temporary (on CPU, its page faults cost more than the whole segment sum).
-    return jnp.broadcast_to(grads, (w.shape[1],) + grads.shape)
-  return grads * w.T[..., None]
+    # whose slot is -1 anyway: ones spare the product reading them.
+    return Factored(grads, jnp.ones(w.T.shape, jnp.float32))
+  return Factored(grads, w.T)
 
 
 def output_shape(combiner, w: Any, dim: int) -> tuple[int, ...]:

@@ -21,7 +21,9 @@ concatenation of token-sized arrays between.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,13 +46,62 @@ def _runs(widths: Sequence[int]) -> list[tuple[int, int]]:
   return runs
 
 
-def concat_tokens(blocks: Sequence[jax.Array]) -> jax.Array:
-  """Per-feature (L, b, ...) blocks -> the table's (sum of L * b, ...) tokens."""
-  tail = blocks[0].shape[2:]
-  runs = [
-    jnp.concatenate(blocks[i:j]).reshape((-1,) + tail)
-    for i, j in _runs([x.shape[1] for x in blocks])
-  ]
+class Factored(NamedTuple):
+  """One feature's per-token values as the product `rows[None] *
+  weights[..., None]`: a pooled feature's gradient expanded over its bag.
+
+  Kept apart until the table's tokens are assembled, so that a run of them
+  is written in one pass (`concat_tokens`), not as a block per feature and
+  then a concatenation of token-sized blocks (on a TPU, W-TPU's step moved
+  0.09 GB less per chip so).
+
+  Attributes:
+    rows: (b, D) float32, one per example (or per ragged id slot).
+    weights: (L, b) float32, one per token.
+  """
+
+  rows: jax.Array
+  weights: jax.Array
+
+  def dense(self) -> jax.Array:
+    """The (L, b, D) block."""
+    return self.rows[None] * self.weights[..., None]
+
+
+def _width(block) -> int:
+  return (block.weights if isinstance(block, Factored) else block).shape[1]
+
+
+def _product(run: Sequence[Factored]) -> jax.Array:
+  """(sum of L, b, D): position p takes the rows of the feature it falls in
+  (a chain of selects on p), times its weight; one elementwise pass."""
+  weights = jnp.concatenate([x.weights for x in run])
+  position = jax.lax.broadcasted_iota(jnp.int32, (weights.shape[0], 1, 1), 0)
+  rows = run[-1].rows[None]
+  ends = list(itertools.accumulate(x.weights.shape[0] for x in run))
+  for x, stop in zip(reversed(run[:-1]), reversed(ends[:-1])):
+    rows = jnp.where(position < stop, x.rows[None], rows)
+  return rows * weights[..., None]
+
+
+def concat_tokens(blocks: Sequence) -> jax.Array:
+  """Per-feature (L, b, ...) blocks (or `Factored` values) -> the table's
+  (sum of L * b, ...) tokens.
+
+  A run of `Factored` values with some bag longer than one id is written as
+  one product (`_product`). Of single ids the blocks are their rows already,
+  and a concatenation is as cheap.
+  """
+  runs = []
+  for i, j in _runs([_width(x) for x in blocks]):
+    run = blocks[i:j]
+    if all(isinstance(x, Factored) for x in run) and any(x.weights.shape[0] > 1 for x in run):
+      # Held apart from the reshape: XLA would otherwise move the reshape
+      # onto the product's operands and write each broadcast row out.
+      block = jax.lax.optimization_barrier(_product(run))
+    else:
+      block = jnp.concatenate([x.dense() if isinstance(x, Factored) else x for x in run])
+    runs.append(block.reshape((-1,) + block.shape[2:]))
   return runs[0] if len(runs) == 1 else jnp.concatenate(runs)
 
 
