@@ -41,6 +41,7 @@ from pallas_emb.sharded_table import ShardedTable
 from pallas_emb.state import TableState, to_host
 from pallas_emb.vocabulary import DynamicVocabulary, raw_ids, vocab_keys
 from sharding import id_map
+from sharding.dedup import compact
 from sharding.id_map import IdMap
 from sharding.layout import round_up
 
@@ -107,9 +108,7 @@ def _reset(t: ShardedTable, table, slots, reset, key, step):
   width = packing.storage_width(spec.dim, spec.dtype)
   # The reset slots first, in order: chunk c holds new slots c*CHUNK onwards.
   new = reset >= 0
-  n = round_up(reset.shape[0], _INIT_CHUNK)
-  to = jnp.where(new, jnp.cumsum(new, dtype=jnp.int32) - 1, n)
-  packed = jnp.full((n,), -1, jnp.int32).at[to].set(reset, mode="drop")
+  packed = compact(new, reset, round_up(reset.shape[0], _INIT_CHUNK), -1)
   inserted = jnp.sum(new, dtype=jnp.int32)
   specs = spec.optimizer.slot_specs()
 

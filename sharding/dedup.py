@@ -74,6 +74,14 @@ METHODS = ("search", "sort")
 UniqueImpl = Callable[[jax.Array, int], tuple[jax.Array, jax.Array, jax.Array]]
 
 
+def compact(keep: jax.Array, values: jax.Array, size: int, fill) -> jax.Array:
+  """(size, ...) `values` where `keep`, in their order, first; `fill` after
+  them. Kept values past `size` are dropped (a static capacity)."""
+  at = jnp.where(keep, jnp.cumsum(keep, dtype=jnp.int32) - 1, size)
+  out = jnp.full((size,) + values.shape[1:], fill, values.dtype)
+  return out.at[at].set(values, mode="drop", unique_indices=True)
+
+
 def _unique(keys, inverse, num_unique, capacity: int, **sorted_fields) -> Unique:
   """A `Unique` of `capacity` kept keys out of `num_unique` distinct ones."""
   return Unique(

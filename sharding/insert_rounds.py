@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sharding.dedup import compact
 from sharding.probe_window import Windows
 
 UNCLAIMED = np.iinfo(np.int32).max
@@ -84,11 +85,7 @@ def insert(free, w: Windows, waiting, capacity: int, probe_limit: int):
 
   def the_few(_):
     # Rank order kept: the i-th key that may win is at i; n pads.
-    idx = (
-      jnp.full((few,), n, jnp.int32)
-      .at[jnp.where(may, jnp.cumsum(may) - 1, few)]
-      .set(rank, mode="drop")
-    )
+    idx = compact(may, rank, few, n)
     valid, key = idx < n, jnp.minimum(idx, n - 1)  # a key's index is its rank
     sub = Windows(w.pos[key], w.r[key], w.inside[key], None)
     got, slot = _rounds(claims, free[key] & valid[:, None], sub, valid, key, n, probe_limit)

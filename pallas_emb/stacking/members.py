@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from sharding.dedup import compact
 from sharding.layout import SENTINEL, RowLayout
 
 # What a member's id outside its range becomes: invalid for dedup (< 0) and
@@ -141,10 +142,7 @@ def keep_rows(rows: jax.Array, grads: jax.Array, keep: jax.Array) -> tuple[jax.A
   """
   keep = keep & (rows >= 0)
   size = rows.shape[0]
-  pos = jnp.where(keep, jnp.cumsum(keep, dtype=jnp.int32) - 1, size)
-  new_rows = jnp.full_like(rows, -1).at[pos].set(rows, mode="drop", unique_indices=True)
-  new_grads = jnp.zeros_like(grads).at[pos].set(grads, mode="drop", unique_indices=True)
-  return new_rows, new_grads
+  return compact(keep, rows, size, -1), compact(keep, grads, size, 0)
 
 
 def init_rows(m: Members, initializer, keys: jax.Array, logical: jax.Array, dim: int) -> jax.Array:
