@@ -6,10 +6,15 @@ replicated table's (`local_norm`), and one over several tables
 (`combine_norms`). `gate_and_clip` turns a norm into the update's decision:
 apply or skip, and by how much to scale the gradients.
 
-Why rescaling: squaring overflows float32 once a norm passes ~1.8e19 although
-every element is finite (and underflows below ~1e-19). Dividing the elements
-by a power of two (`pow2_floor`) moves exponents only, so it is exact, and a
-non-finite element still gives a non-finite norm, which skips the update.
+Why three sums: squaring overflows float32 once a norm passes ~1.8e19 although
+every element is finite (and underflows below ~1e-19). So one pass over the
+gradients sums three squares of each element: as it is, and scaled by 2**-64
+and by 2**88 (`_square_sums`). A power-of-two scale moves exponents only,
+so it is exact; the norm takes the sum that neither overflowed nor lost bits
+to underflow (`_norm_of`), and a non-finite element still gives a
+non-finite norm, which skips the update. One read of the gradients, where
+rescaling after a max needs two (or a branch that XLA's cost model charges
+although it rarely runs).
 
 The functions with an `axis` run inside `shard_map` on one device's block;
 the others on any array.
@@ -20,39 +25,35 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-# Below this square sum (or when it is not finite) a norm is recomputed
-# rescaled: squares of elements near 1e-19 lose bits to underflow.
+# At or above this plain square sum, squares that underflowed (elements
+# below ~1e-19) weigh nothing; below it the norm takes the upscaled sum.
 _SAFE_SQUARE_SUM = 2.0**-60
+# Upscaled, the smallest subnormal's square is normal, and a sum below
+# _SAFE_SQUARE_SUM stays below 2**116; downscaled, a sum overflows only
+# when the norm itself does.
+_UP, _DOWN = 2.0**88, 2.0**-64
 
 
-def pow2_floor(peak: jax.Array) -> jax.Array:
-  """The largest power of two <= `peak` (> 0 and finite), else 1.
+def _square_sums(x: jax.Array, axis=None) -> jax.Array:
+  """(..., 3) sums over `axis` of x**2, (x * _DOWN)**2 and (x * _UP)**2."""
+  return jnp.stack([jnp.sum(jnp.square(x * c), axis=axis) for c in (1.0, _DOWN, _UP)], axis=-1)
 
-  The exponent bits of `peak` alone: exact, unlike float32 exp2/log2,
-  which flush to zero near the smallest normal.
-  """
-  scale = jax.lax.bitcast_convert_type(
-    jax.lax.bitcast_convert_type(peak, jnp.uint32) & jnp.uint32(0x7F800000), jnp.float32
+
+def _norm_of(sums: jax.Array) -> jax.Array:
+  """The L2 norm from (..., 3) `_square_sums` (summed over devices)."""
+  plain, down, up = sums[..., 0], sums[..., 1], sums[..., 2]
+  small = jnp.sqrt(up) * (1.0 / _UP)
+  large = jnp.sqrt(down) * (1.0 / _DOWN)  # NaN and inf elements land here
+  return jnp.where(
+    jnp.isfinite(plain) & (plain >= _SAFE_SQUARE_SUM),
+    jnp.sqrt(plain),
+    jnp.where(plain < _SAFE_SQUARE_SUM, small, large),
   )
-  return jnp.where(jnp.isfinite(peak) & (scale > 0), scale, 1.0)
 
 
 def global_norm(x: jax.Array, axis: str) -> jax.Array:
-  """() L2 norm of `x` over all devices of `axis`.
-
-  One pass squares and sums. Only when that sum over- or underflows, decided
-  on the replicated sum (every device takes the same branch), a second
-  computation first divides by the largest power of two <= the global max |x|.
-  """
-  sq = jax.lax.psum(jnp.sum(x * x), axis)
-
-  def rescaled():
-    scale = pow2_floor(jax.lax.pmax(jnp.max(jnp.abs(x), initial=0.0), axis))
-    scaled = x / scale
-    return scale * jnp.sqrt(jax.lax.psum(jnp.sum(scaled * scaled), axis))
-
-  safe = jnp.isfinite(sq) & (sq > _SAFE_SQUARE_SUM)
-  return jax.lax.cond(safe, lambda: jnp.sqrt(sq), rescaled)
+  """() L2 norm of `x` over all devices of `axis`: one pass, one psum."""
+  return _norm_of(jax.lax.psum(_square_sums(x), axis))
 
 
 def member_norms(x: jax.Array, member: jax.Array, num: int, axis: str) -> jax.Array:
@@ -63,22 +64,13 @@ def member_norms(x: jax.Array, member: jax.Array, num: int, axis: str) -> jax.Ar
     member: (C,) int32 member of each row; `num` for rows of no member.
     num: the number of members.
   """
-  row_peak = jnp.max(jnp.abs(x), axis=1, initial=0.0)
-  peak = jax.lax.pmax(
-    jnp.maximum(jax.ops.segment_max(row_peak, member, num_segments=num), 0.0), axis
-  )
-  # A NaN row may not survive segment_max; its square still reaches the sum.
-  scale = pow2_floor(peak)
-  scaled = x / jnp.concatenate([scale, jnp.ones((1,))])[member][:, None]
-  sums = jax.ops.segment_sum(jnp.sum(scaled * scaled, axis=1), member, num_segments=num)
-  return scale * jnp.sqrt(jax.lax.psum(sums, axis))
+  sums = jax.ops.segment_sum(_square_sums(x, axis=1), member, num_segments=num)
+  return _norm_of(jax.lax.psum(sums, axis))
 
 
 def local_norm(x: jax.Array) -> jax.Array:
   """() L2 norm of `x`, where one device holds all of it."""
-  scale = pow2_floor(jnp.max(jnp.abs(x), initial=0.0))
-  scaled = x / scale
-  return scale * jnp.sqrt(jnp.sum(scaled * scaled))
+  return _norm_of(_square_sums(x))
 
 
 def combine_norms(norms: jax.Array) -> jax.Array:

@@ -109,7 +109,9 @@ def _gather_kernel(rows_ref, table_hbm, out_ref, buf, *scratch, dtype, num_rows,
   if not shift:
     out_ref[...] = packing.unpack_rows(buf[cur], dtype)
     return
-  sub_rows.extract(rows_ref, i * chunk, [buf.at[cur]], sub, shifts=[shift], widths=[width])
+  sub_rows.extract(
+    rows_ref, i * chunk, [buf.at[cur]], sub, shifts=[shift], widths=[width], num_rows=num_rows
+  )
   out_ref[...] = packing.unpack_rows(sub_rows.rows_of(sub[0], width, buf.dtype), dtype)
 
 

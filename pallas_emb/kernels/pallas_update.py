@@ -328,14 +328,21 @@ def _window_call(
     scalars_type(*(sds((), jnp.float32) for _ in scalars_type._fields)),
     noise,
   )
-  row_bytes = sum(a.shape[1] * a.dtype.itemsize for a in arrays)
+  shifts = layout.shifts + (scalar_slots.GROUP_SHIFT,) * num_narrow
+  moved = 0
+  for a, shift in zip(arrays, shifts):
+    # Each id reads and writes its row; a physical row of several rows (a
+    # packed array's, a scalar slot's group) moves once per run of ids:
+    # at most once per physical row, plus a re-read where a run crosses
+    # chunks.
+    reads, writes = (
+      (min(size, a.shape[0] + steps), min(size, a.shape[0])) if shift else (size, size)
+    )
+    moved += (reads + writes) * a.shape[1] * a.dtype.itemsize
   cost = pl.CostEstimate(
     flops=cost.flops,
     transcendentals=cost.transcendentals,
-    # Each id reads and writes its row of every array (a packed array's
-    # physical row, a scalar slot's 128-row group, written once per group);
-    # grads and ids are read once.
-    bytes_accessed=size * (2 * row_bytes + dim * 4 + 4),
+    bytes_accessed=moved + size * (dim * 4 + 4),  # and the grads and ids, once
   )
 
   hbm = pl.BlockSpec(memory_space=pltpu.HBM)

@@ -49,6 +49,8 @@ class ChunkCopies:
       writes meanwhile, and of at least C rows.
     shift: copy HBM row `id >> shift` (a lane-dense group of 2**shift rows;
       see `scalar_slots`) instead of row `id`.
+    per_run: copy such a physical row once per run of consecutive ids in
+      it, into the run's first buffer row (`scalar_slots.run_starts`).
   """
 
   def __init__(
@@ -63,6 +65,7 @@ class ChunkCopies:
     to_hbm: bool = False,
     pad_reads: bool = False,
     shift: int = 0,
+    per_run: bool = False,
   ):
     self._ids, self._offset = ids, offset
     self._arrays = tuple(zip(hbm, vmem, sems))
@@ -71,7 +74,9 @@ class ChunkCopies:
     self._pad_reads = pad_reads and not to_hbm
     if self._pad_reads and any(hbm.shape[0] < self._chunk for hbm, _, _ in self._arrays):
       raise ValueError(f"pad_reads needs arrays of at least {self._chunk} rows")
-    self._shift = shift
+    if per_run and (self._pad_reads or to_hbm or not shift):
+      raise ValueError("per_run is for the reads of physical rows (shift > 0) without pad_reads")
+    self._shift, self._per_run = shift, per_run
 
   def start(self) -> None:
     """Starts every copy of the chunk."""
@@ -111,6 +116,11 @@ class ChunkCopies:
     """`action(copy)` on the copy of each valid id's row."""
 
     def body(row, valid, j):
+      if self._per_run:
+        valid &= scalar_slots.starts_run(
+          self._ids, self._offset + j, self._offset, num_rows=self._num_rows, shift=self._shift
+        )
+
       @pl.when(valid)
       def _():
         for hbm, vmem, sem in self._arrays:
@@ -193,10 +203,14 @@ class ChunkTransfers:
     )
 
   def reads(self, step, buf) -> _Copies:
-    """Chunk `step`'s reads into buffer `buf`."""
+    """Chunk `step`'s reads into buffer `buf` (a physical row of several
+    rows once per run)."""
     return _Copies(
       ChunkCopies(
-        *self._args(step, buf, self._read_sems, arrays), num_rows=self._num_rows, shift=shift
+        *self._args(step, buf, self._read_sems, arrays),
+        num_rows=self._num_rows,
+        shift=shift,
+        per_run=shift > 0,
       )
       for shift, arrays in self._groups.items()
     )

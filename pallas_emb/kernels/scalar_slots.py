@@ -7,13 +7,15 @@ every step, so the kernel reads it as the same bytes viewed (R / 128, 128)
 (a free reshape when R is a multiple of 128): row r lives in *group* r >> 7
 at lane r & 127, and the kernel moves whole groups.
 
-Reads: each id DMAs its group (two ids of a group read it twice; reads do
-not race) and `extract` takes its lane.
+Reads: the ids of one group are consecutive (ascending ids), a *run*; the
+run's first id of the chunk DMAs the group into its buffer row
+(`row_dma.ChunkCopies(per_run=True)`) and `extract` takes each id's lane
+from there (`run_starts`). One read per run, not per id: at D = 128 about
+half of the update's DMAs were these group reads.
 
 Writes: ids of one group must not each write the group back: the later DMA
-would undo the earlier one's lane. The ids are ascending (routing produces
-them so, padding last), so a group's ids are one *run*; `merge` folds the
-run's new values into one copy, and `ends` marks the run's last id, the only
+would undo the earlier one's lane. So `merge` folds the run's new values
+into one copy, and `ends` marks the run's last id, the only
 one that writes. A run that continues into the next chunk is not written:
 its merged group is *carried* to the next grid step, whose own read of that
 group is stale (it was prefetched before this chunk's update) and replaced by
@@ -43,8 +45,28 @@ def _bits(x):
   return lax.bitcast_convert_type(x, jnp.int32)
 
 
+def starts_run(ids, pos, first, *, num_rows: int, shift: int = GROUP_SHIFT):
+  """Whether id `pos` is the first of its run among ids[first:]: the first
+  id there, or in another physical row `id >> shift` than the id before it
+  (which may be padding). Padding ids themselves start runs."""
+  row, prev = ids[pos], ids[jnp.maximum(pos - 1, first)]
+  prev_valid = (prev >= 0) & (prev < num_rows)
+  return (pos == first) | jnp.logical_not(prev_valid) | ((prev >> shift) != (row >> shift))
+
+
+def run_starts(ids, offset, j, starts: Sequence, *, num_rows: int, shifts: Sequence[int]) -> tuple:
+  """Per shift, the buffer row of the run of chunk id j: where the run's
+  single read landed (`row_dma.ChunkCopies(per_run=True)`). `starts`: the
+  same for id j - 1 (anything for j = 0)."""
+  return tuple(
+    jnp.where(starts_run(ids, offset + j, offset, num_rows=num_rows, shift=shift), j, start)
+    for start, shift in zip(starts, shifts)
+  )
+
+
 def extract(ids, offset: int | jax.Array, bufs: Sequence, cols: Sequence, *, num_rows: int) -> None:
-  """cols[k][j] = the value of id j in its group row bufs[k][j].
+  """cols[k][j] = the value of id j in its group row: bufs[k] at the run's
+  first id of the chunk, the only one read.
 
   Args:
     ids: the SMEM ref of local row ids; the chunk starts at `offset`.
@@ -53,22 +75,23 @@ def extract(ids, offset: int | jax.Array, bufs: Sequence, cols: Sequence, *, num
   """
   chunk = bufs[0].shape[0]
 
-  def body(j, carry):
+  def body(j, start):
     row = ids[offset + j]
+    (start,) = run_starts(ids, offset, j, (start,), num_rows=num_rows, shifts=(GROUP_SHIFT,))
 
     @pl.when((row >= 0) & (row < num_rows))
     def _():
       mask = _lane_mask(row & (GROUP - 1))
       for buf, col in zip(bufs, cols):
         # Sum the bits as int32: exact for every value (-0.0, NaN payloads).
-        picked = jnp.where(mask, _bits(buf[pl.ds(j, 1), :]), 0)
+        picked = jnp.where(mask, _bits(buf[pl.ds(start, 1), :]), 0)
         col[pl.ds(j, 1), :] = lax.bitcast_convert_type(
           jnp.sum(picked, axis=1, keepdims=True), col.dtype
         )
 
-    return carry
+    return start
 
-  lax.fori_loop(0, chunk, body, 0)
+  lax.fori_loop(0, chunk, body, jnp.int32(0))
 
 
 def is_end(ids, pos, num_ids_in_call, *, num_rows, shift: int = GROUP_SHIFT):

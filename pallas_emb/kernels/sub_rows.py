@@ -58,8 +58,10 @@ def _lane_offset(row, shift: int, width: int):
   return (row & ((1 << shift) - 1)) * width
 
 
-def extract(ids, offset, bufs: Sequence, subs: Sequence, *, shifts, widths) -> None:
-  """subs[a][j, :w] = id j's sub-row of its physical row bufs[a][j].
+def extract(ids, offset, bufs: Sequence, subs: Sequence, *, shifts, widths, num_rows: int) -> None:
+  """subs[a][j, :w] = id j's sub-row of its physical row: bufs[a] at the
+  first id of the run (`scalar_slots.run_starts`; an update reads a
+  physical row once per run, a gather per id).
 
   Every id is rotated, padding too (its buffer row is zero in a gather,
   stale in an update, whose padding rows are never written).
@@ -69,17 +71,19 @@ def extract(ids, offset, bufs: Sequence, subs: Sequence, *, shifts, widths) -> N
     bufs: per packed array, the chunk's (C, 128) physical rows.
     subs: per packed array, a (C, 128) int32 scratch.
     shifts, widths: per packed array, its shift and row width w.
+    num_rows: the table's logical rows; other ids are padding.
   """
   chunk = bufs[0].shape[0]
 
-  def body(j, carry):
+  def body(j, starts):
     row = ids[offset + j]
-    for buf, sub, shift, width in zip(bufs, subs, shifts, widths):
+    starts = scalar_slots.run_starts(ids, offset, j, starts, num_rows=num_rows, shifts=shifts)
+    for buf, sub, shift, width, start in zip(bufs, subs, shifts, widths, starts):
       back = (LANES - _lane_offset(row, shift, width)) % LANES
-      sub[pl.ds(j, 1), :] = pltpu.roll(_bits(buf[pl.ds(j, 1), :]), back, 1)
-    return carry
+      sub[pl.ds(j, 1), :] = pltpu.roll(_bits(buf[pl.ds(start, 1), :]), back, 1)
+    return starts
 
-  lax.fori_loop(0, chunk, body, 0)
+  lax.fori_loop(0, chunk, body, (jnp.int32(0),) * len(bufs))
 
 
 def rows_of(sub, width: int, dtype) -> jax.Array:

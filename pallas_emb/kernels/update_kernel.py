@@ -17,8 +17,10 @@ buffers per array, chunk i in buffer i % 2):
 So the reads of chunk i+1 overlap the update of chunk i, and the writes of
 chunk i overlap the reads of chunk i+1. Every row and slot row is its own DMA
 (`row_dma.ChunkCopies`): up to 2 * C * (1 + number of row-shaped slots) in
-flight. The ids must be distinct: two DMAs writing the same row race (the
-interpreter's race detector reports it). When `apply` is false the kernel
+flight. A physical row that holds several rows (below) is read once per run
+of the chunk's ids in it and written once per run. The ids must be distinct:
+two DMAs writing the same row race (the interpreter's race detector reports
+it). When `apply` is false the kernel
 issues no DMA at all, so the table and slots stay bit-identical.
 
 Per-row scalar slots (width 1: row-wise Adagrad's accumulator, Adam's
@@ -142,7 +144,12 @@ def update_kernel(
       scalar_slots.extract(rows_ref, i * chunk, narrow_bufs, arrays.old_cols, num_rows=num_rows)
     if packed:
       sub_rows.extract(
-        rows_ref, i * chunk, [row_bufs[k] for k in packed], arrays.subs, **packed_args
+        rows_ref,
+        i * chunk,
+        [row_bufs[k] for k in packed],
+        arrays.subs,
+        num_rows=num_rows,
+        **packed_args,
       )
     values = [b[...] for b in row_bufs]
     for a, k in enumerate(packed):
