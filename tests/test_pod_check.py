@@ -16,9 +16,17 @@ asks for them, and the tests read their reports:
   batch with a 10x table, and 4x the chips with the same shard, keep temp
   flat.
 
+* every table shape: W-TPU's step for D in {16, 32, 64, 128} x {float32,
+  bfloat16} x {RowWiseAdagrad, LazyAdam}, and FTRL, Adagrad and SGD at
+  D=32, on v5e and v6e, runs its gather and update in Mosaic and fits the
+  bound on temp;
+* the main job at its own D=16 and the DLRM configuration (26 tables, 4
+  stacks) update and gather every table in Mosaic and copy none;
+* the all-to-alls' charge in XLA's cost model, probed op by op (`probes`).
+
 These compile at small batches: 256 examples per chip (W-TPU, which is also
 the small end of the scaling pair, and the configuration file), 64 for the
-dynamic table (its map's compile is the longest: 18 s at 256, 10 s at 64).
+shapes and the dynamic table (its map's compile is the longest: 18 s at 256, 10 s at 64).
 A compile's time grows with the batch (W-TPU's 4,096 examples per chip take
 47 CPU-s, 256 take 10), and the assertions are relative to the ids: at a
 small batch a table-sized or fixed buffer stands out the more (W-TPU's temp
@@ -101,6 +109,31 @@ COMPILES = {
   # stochastically), an f32 Adagrad item table (D=32) and a 256-row SGD table.
   # The file's 1,024 examples per chip overridden: the assertion is relative.
   "config": ["--topology=v5e:2x2", f"--config={EXAMPLE_CONFIG}", "--examples_per_chip=256"],
+  # Every table shape on the kernel path: W-TPU's step for each width,
+  # dtype and optimizer (one process compiles every case). 4M rows, so that
+  # a whole-shard buffer of even the narrowest table (D=16 bfloat16: 31 MiB)
+  # would exceed the temp bound.
+  "shapes": [
+    "--topology=v5e:2x2,v6e:2x2",
+    "--workload=w_tpu",
+    "--vocab=4000000",
+    "--examples_per_chip=64",
+    "--dtype=float32,bfloat16",
+    "--dim=16,32,64,128",
+    "--optimizer=rowwise_adagrad,lazy_adam",
+  ],
+  "optimizers": [
+    "--topology=v5e:2x2,v6e:2x2",
+    "--workload=w_tpu",
+    "--vocab=4000000",
+    "--examples_per_chip=64",
+    "--dim=32",
+    "--optimizer=ftrl,adagrad,sgd",
+  ],
+  # The main job as it runs (D=16 tables) and the DLRM configuration's 26
+  # tables (D=16..128, rows capped at 20k).
+  "main_d16": ["--topology=v5e:2x2", "--workload=main", "--examples_per_chip=128"],
+  "dlrm": ["--topology=v5e:2x2", "--workload=dlrm", "--examples_per_chip=128"],
   "ftrl": [
     "--topology=v5e:2x2",
     "--workload=main",
@@ -216,6 +249,54 @@ def test_w_tpu_fits_twice_its_working_set_and_copies_no_table_or_slot(reports):
   # computes (async collectives, libtpu's async all-to-all on).
   update = [p for p in r["overlap"]["pairs"] if p["program"] == "apply_token_gradients"]
   assert update and all(p["dense_ops_between"] > 0 for p in update), r["overlap"]
+
+
+def test_every_table_shape_and_optimizer_runs_in_the_kernels(reports):
+  got = reports["shapes"] + reports["optimizers"]
+  cases = {
+    (r["topology"], t["dim"], t["dtype"], t["optimizer"]) for r in got for t in r["tables"].values()
+  }
+  assert len(got) == len(cases) == 2 * (4 * 2 * 2 + 3), sorted(cases)
+  for r in got:
+    [table] = r["tables"].values()
+    case = (r["topology"], table["dim"], table["dtype"], table["optimizer"])
+    # The owner's gather (and at 128 lanes of float32 the ids' gather from
+    # the rows received) and the fused update, in Mosaic.
+    assert r["backend"] == "pallas", case
+    assert r["kernels"].get("_fused_update_call") == 1, (case, r["kernels"])
+    assert r["kernels"].get("_gather_call") in (1, 2), (case, r["kernels"])
+    assert not table["copies"] and not table["prefetches"], (case, table)
+    row_bytes = table["dim"] * (2 if table["dtype"] == "bfloat16" else 4)
+    working_set = 2 * r["ids_per_chip"] * row_bytes  # rows received + grads sent
+    bound = max(2 * working_set, working_set + 16 * MIB)
+    assert r["temp_bytes"] <= bound, (case, r["temp_bytes"] / MIB, bound / MIB)
+
+
+@pytest.mark.parametrize("name", ["main_d16", "dlrm"])
+def test_main_job_and_dlrm_run_every_table_in_the_kernels_and_copy_none(reports, name):
+  [r] = reports[name]
+  assert r["backend"] == "pallas", r
+  # Each physical table (a stack of the logical ones) is updated by one
+  # fused kernel and gathered by at least one.
+  assert r["kernels"].get("_fused_update_call") == r["physical_tables"], r["kernels"]
+  assert r["kernels"].get("_gather_call", 0) >= r["physical_tables"], r["kernels"]
+  assert sum(r["kernels"].values()) == r["kernel_calls"], r["kernels"]
+  for table_name, table in r["tables"].items():
+    assert not table["copies"] and not table["prefetches"], (table_name, table)
+
+
+def test_the_cost_models_all_to_all_overcharge_is_probed_op_by_op(reports):
+  [r] = reports["w_tpu"]
+  charges = r["collective_charges"]
+  # The lookup's ids and rows, the update's gradients.
+  assert len(charges) == 3, charges
+  for c in charges:
+    # What moves is the block read once and written once; the isolated
+    # op is charged at least that.
+    assert c["moved"] == 2 * c["bytes"] and c["charged"] >= c["moved"], c
+  excess = sum(c["charged"] - c["moved"] for c in charges)
+  assert r["net_bytes_accessed"] == pytest.approx(r["bytes_accessed"] - excess)
+  assert r["net_bytes_accessed"] < r["bytes_accessed"]
 
 
 def test_per_chip_temp_follows_the_ids_not_the_table_or_the_chip_count(reports):

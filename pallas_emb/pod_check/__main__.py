@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -70,14 +71,19 @@ def _parse(argv):
   )
   p.add_argument("--vocab", type=int, default=1_000_000, help="w_tpu: rows of the item table")
   p.add_argument(
-    "--dim", type=int, default=None, help="table width (default: 128 for w_tpu, 16 for main)"
+    "--dim",
+    default=None,
+    help="table width (default: 128 for w_tpu, 16 for main); comma-separated: each one",
   )
-  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  p.add_argument(
+    "--dtype", default="float32", help="float32 or bfloat16; comma-separated: each one"
+  )
   p.add_argument(
     "--optimizer",
     default="rowwise_adagrad",
-    choices=sorted(OPTIMIZERS),
-    help="the embedding optimizer of every table",
+    help=f"the embedding optimizer of every table, of {', '.join(sorted(OPTIMIZERS))}; "
+    "comma-separated: each one (with several --dim, --dtype or --optimizer every "
+    "combination compiles, in this process)",
   )
   p.add_argument(
     "--examples_per_chip",
@@ -96,13 +102,32 @@ def _parse(argv):
     "--hlo_dir", default=None, help="write each compiled step's HLO text into this directory"
   )
   args = p.parse_args(argv)
-  for name in ("vocab", "examples_per_chip", "unique_capacity", "route_capacity", "dim"):
+  for name in ("vocab", "examples_per_chip", "unique_capacity", "route_capacity"):
     value = getattr(args, name)
     if value is not None and value < 1:
       p.error(f"--{name} must be a positive int, got {value}")
+  args.dim = _choices(p, "dim", args.dim, None) if args.dim else [None]
+  args.dtype = _choices(p, "dtype", args.dtype, ("float32", "bfloat16"))
+  args.optimizer = _choices(p, "optimizer", args.optimizer, sorted(OPTIMIZERS))
+  if args.config and len(args.dim) * len(args.dtype) * len(args.optimizer) > 1:
+    p.error("--config sets each table's dim, dtype and optimizer: pass no lists with it")
   if args.dynamic and (args.config or args.workload != "w_tpu"):
     p.error("--dynamic compiles the w_tpu workload: pass --workload=w_tpu and no --config")
   return args
+
+
+def _choices(parser, name: str, text: str, allowed) -> list:
+  """The comma-separated values of --name: each one of `allowed`, or
+  positive ints where `allowed` is None."""
+  values = [v.strip() for v in text.split(",") if v.strip()]
+  if not values:
+    parser.error(f"--{name} is empty")
+  for v in values:
+    if allowed is None and not (v.isdigit() and int(v) > 0):
+      parser.error(f"--{name} takes positive ints, got {v!r}")
+    if allowed is not None and v not in allowed:
+      parser.error(f"--{name}: {v!r} is not one of {', '.join(allowed)}")
+  return [int(v) for v in values] if allowed is None else values
 
 
 # Name -> an optimizer with the main job's default learning rate (the rate
@@ -125,6 +150,7 @@ def _row(r: dict) -> str:
     f"{r['topology']:>10} {r['pipeline']:>6} {r['chips']:>5} {mib(table)} "
     f"{mib(slots)} {mib(r['temp_bytes'])} {r['bytes_accessed'] / 1e9:8.2f} "
     f"{r['floor_bytes'] / 1e9:6.2f} {r['bytes_accessed'] / r['floor_bytes']:6.1f} "
+    f"{r['net_bytes_accessed'] / r['floor_bytes']:6.1f} "
     f"{mib(r['all_to_all_bytes'])} {len(r['table_sized_copies']):>6} "
     f"{r['kernel_calls']:>7} {ov['overlapping']:>3}/{ov['async_collectives']:<3} "
     f"{r['compile_seconds']:6.0f}"
@@ -133,28 +159,21 @@ def _row(r: dict) -> str:
 
 HEADER = (
   "  topology   pipe chips table MiB slot MiB temp MiB  XLA GB floor GB   "
-  "x  a2a MiB copies kernels overlap compile s"
+  "x  net x  a2a MiB copies kernels overlap compile s"
 )
 
 
-def main(argv=None) -> int:
-  args = _parse(argv if argv is not None else sys.argv[1:])
-  env.prepare(async_all_to_all=not args.no_async_all_to_all)
+def _workload(args, dtype: str, dim: int | None, optimizer: str):
+  """The workload the flags describe, for one case of dtype, dim and optimizer."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
+  import pallas_emb as pe  # pylint: disable=g-import-not-at-top
   from pallas_emb.pod_check import compile as compile_lib  # pylint: disable=g-import-not-at-top
 
-  caps = {
-    k: v
-    for k, v in (("unique_capacity", args.unique_capacity), ("route_capacity", args.route_capacity))
-    if v
-  }
-  import pallas_emb as pe  # pylint: disable=g-import-not-at-top
-
   kw = dict(
-    dtype=jnp.dtype(args.dtype),
+    dtype=jnp.dtype(dtype),
     examples_per_chip=args.examples_per_chip or EXAMPLES_PER_CHIP,
-    optimizer=OPTIMIZERS[args.optimizer](pe),
+    optimizer=OPTIMIZERS[optimizer](pe),
     stacking=args.stacking,
   )
   if args.config:
@@ -164,38 +183,59 @@ def main(argv=None) -> int:
     if args.examples_per_chip:  # given on the command line: it wins over the file
       workload = dataclasses.replace(workload, examples_per_chip=args.examples_per_chip)
   elif args.workload == "w_tpu":
-    workload = compile_lib.w_tpu(args.vocab, args.dim or 128, **kw)
+    workload = compile_lib.w_tpu(args.vocab, dim or 128, **kw)
   elif args.workload == "dlrm":
     workload = compile_lib.dlrm(args.dlrm_max_rows or None, **kw)
   else:
-    workload = compile_lib.main_job(args.dim or 16, **kw)
+    workload = compile_lib.main_job(dim or 16, **kw)
+  caps = {
+    k: v
+    for k, v in (("unique_capacity", args.unique_capacity), ("route_capacity", args.route_capacity))
+    if v
+  }
   if caps:
     tables = {f.table for f in workload.features}
     options = {t: {**workload.table_options.get(t, {}), **caps} for t in tables}
     workload = dataclasses.replace(workload, table_options=options)
+  return workload
+
+
+def main(argv=None) -> int:
+  args = _parse(argv if argv is not None else sys.argv[1:])
+  env.prepare(async_all_to_all=not args.no_async_all_to_all)
+  import pallas_emb as pe  # pylint: disable=g-import-not-at-top
+  from pallas_emb.pod_check import compile as compile_lib  # pylint: disable=g-import-not-at-top
+
+  cases = list(itertools.product(args.dtype, args.dim, args.optimizer))
   reports = []
   print(HEADER, flush=True)
-  for topology in map(str.strip, args.topology.split(",")):
+  for dtype, dim, optimizer in cases:
+    workload = _workload(args, dtype, dim, optimizer)
+    case = f"{dtype}_d{dim}_{optimizer}" if len(cases) > 1 else ""
+    if case:
+      print(f"{dtype} D={dim} {optimizer}:", flush=True)
+    for topology in map(str.strip, args.topology.split(",")):
 
-    def hlo_path(pipeline, topology=topology):
-      if not args.hlo_dir:
-        return None
-      os.makedirs(args.hlo_dir, exist_ok=True)
-      return os.path.join(args.hlo_dir, f"{topology.replace(':', '_')}_{pipeline}.hlo.txt")
+      def hlo_path(pipeline, topology=topology, case=case):
+        if not args.hlo_dir:
+          return None
+        os.makedirs(args.hlo_dir, exist_ok=True)
+        name = "_".join(filter(None, [topology.replace(":", "_"), case, pipeline]))
+        return os.path.join(args.hlo_dir, f"{name}.hlo.txt")
 
-    if args.dynamic:
-      from pallas_emb.pod_check import dynamic  # pylint: disable=g-import-not-at-top
+      if args.dynamic:
+        from pallas_emb.pod_check import dynamic  # pylint: disable=g-import-not-at-top
 
-      vocabulary = pe.DynamicVocabulary(policy="lfu", evict_every=4, ttl=16, probe_limit=16)
-      new = dynamic.compile_pair(topology, workload, vocabulary, hlo_path)
-    else:
-      new = (  # lazily: each row prints as its compile ends
-        compile_lib.compile_step(topology, workload, pipeline=p, hlo_path=hlo_path(p))
-        for p in map(str.strip, args.pipelines.split(","))
-      )
-    for report in new:
-      reports.append(report)
-      print(_row(report), flush=True)
+        vocabulary = pe.DynamicVocabulary(policy="lfu", evict_every=4, ttl=16, probe_limit=16)
+        new = dynamic.compile_pair(topology, workload, vocabulary, hlo_path)
+      else:
+        new = (  # lazily: each row prints as its compile ends
+          compile_lib.compile_step(topology, workload, pipeline=p, hlo_path=hlo_path(p))
+          for p in map(str.strip, args.pipelines.split(","))
+        )
+      for report in new:
+        reports.append(report)
+        print(_row(report), flush=True)
   if args.json:
     with open(args.json, "w") as f:
       json.dump(reports, f, indent=2)

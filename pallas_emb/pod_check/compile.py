@@ -33,7 +33,7 @@ from pallas_emb import packing
 from pallas_emb.data.base import FeatureInfo
 from pallas_emb.errors import ConfigError
 from pallas_emb.job.model import build_ranking
-from pallas_emb.pod_check import hlo
+from pallas_emb.pod_check import hlo, probes
 from pallas_emb.spec import TableSpec
 from pallas_emb.train import TrainConfig, make_trainer
 from pallas_emb.train.step import _jit_step
@@ -230,7 +230,8 @@ def compile_step(
 
   Returns:
     A JSON-serialisable dict: table and slot bytes, memory analysis, XLA's
-    bytes accessed against `floor_bytes`, collectives (all_to_all bytes),
+    bytes accessed against `floor_bytes` (and net of the all-to-alls' over-
+    charge, `probes`), collectives (all_to_all bytes),
     copies the size of a table or slot shard, Pallas kernel calls, and
     whether the update's collectives overlap the dense compute.
   """
@@ -260,11 +261,13 @@ def report(
   for spec in map(emb.table_spec, emb.table_names):  # physical tables
     rps = emb.layout(spec.name).rows_per_shard
     table_bytes, slot_bytes = _state_bytes(spec, rps)
-    shapes = {
-      (rps, packing.storage_width(spec.dim, spec.dtype)),
-      packing.table_shape(rps, spec.dim, spec.dtype),
+    stored = packing.storage_dtype(spec.dtype)
+    arrays = {
+      ((rps, packing.storage_width(spec.dim, spec.dtype)), stored),
+      (packing.table_shape(rps, spec.dim, spec.dtype), stored),
+      ((rps, spec.dim), np.dtype(spec.dtype)),  # its rows unpacked
     } | {
-      shape
+      (shape, np.dtype(s.dtype))
       for s in spec.optimizer.slot_specs().values()
       for shape in (s.shape_for(rps, spec.dim), (rps, s.width_for(spec.dim)))
     }
@@ -279,11 +282,13 @@ def report(
       "table_bytes": table_bytes,
       "slot_bytes": slot_bytes,
       "capacities": dataclasses.asdict(_capacities(emb, spec, workload)),
-      "copies": hlo.copies_of(text, shapes),
-      "prefetches": hlo.copies_of(text, shapes, prefetch=True),
+      "copies": hlo.copies_of(text, arrays),
+      "prefetches": hlo.copies_of(text, arrays, prefetch=True),
     }
   floor = floor_bytes(emb, workload, len(emb.mesh.devices.flat))
   collectives = hlo.collectives(text)
+  bytes_accessed = float(cost.get("bytes accessed", float("nan")))
+  charges = probes.collective_charges(emb.mesh, collectives)
   return {
     "topology": topology,
     "chips": int(emb.mesh.size),
@@ -301,7 +306,11 @@ def report(
     "output_bytes": mem.output_size_in_bytes,
     "alias_bytes": mem.alias_size_in_bytes,
     "temp_bytes": mem.temp_size_in_bytes,
-    "bytes_accessed": float(cost.get("bytes accessed", float("nan"))),
+    "bytes_accessed": bytes_accessed,
+    # Less what the cost model charges its all-to-alls over what they move
+    # (`probes`).
+    "net_bytes_accessed": probes.net_bytes_accessed(bytes_accessed, charges),
+    "collective_charges": charges,
     "flops": float(cost.get("flops", float("nan"))),
     "floor_bytes": floor,
     "all_to_all_bytes": sum(c["bytes"] for c in collectives if "all-to-all" in c["op"]),
@@ -309,6 +318,7 @@ def report(
     # Of the table or a slot of any table, relaid out every step.
     "table_sized_copies": sum((t["copies"] for t in tables.values()), []),
     "kernel_calls": hlo.kernel_calls(text),
+    "kernels": hlo.kernels_by_name(text),
     "overlap": hlo.overlap(text),
   }
 

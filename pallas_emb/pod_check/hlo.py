@@ -25,6 +25,19 @@ _DTYPE_BYTES = {
   "u64": 8,
   "f64": 8,
 }
+_HLO_TYPES = {
+  "float32": "f32",
+  "int32": "s32",
+  "uint32": "u32",
+  "bfloat16": "bf16",
+  "float16": "f16",
+  "int8": "s8",
+  "uint8": "u8",
+  "bool": "pred",
+  "int64": "s64",
+  "uint64": "u64",
+  "float64": "f64",
+}
 _SHAPE = re.compile(r"\b(f32|s32|u32|bf16|f16|s8|u8|pred|s64|u64|f64)\[([\d,]*)\]")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?(%[\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
 _COLLECTIVES = (
@@ -63,32 +76,53 @@ def _instructions(text: str, entry_only: bool):
 
 
 def collectives(text: str) -> list[dict]:
-  """Every collective of the program: its op, operand bytes, and whether
-  it is asynchronous (a -start/-done pair)."""
+  """Every collective of the program: its op, operand bytes, dtype and dims
+  (of the first array in its shape), `dimensions` attribute, and whether it
+  is asynchronous (a -start/-done pair)."""
   out = []
-  for name, shape, op, _ in _instructions(text, entry_only=False):
+  for name, shape, op, line in _instructions(text, entry_only=False):
     base = op.removesuffix("-start")
     if base in _COLLECTIVES and not op.endswith("-done"):
-      out.append({"name": name, "op": base, "bytes": _bytes(shape), "async": op.endswith("-start")})
+      m = _SHAPE.search(shape)
+      attr = re.search(r"dimensions=\{([\d,]*)\}", line)
+      out.append(
+        {
+          "name": name,
+          "op": base,
+          "bytes": _bytes(shape),
+          "dtype": m.group(1) if m else "",
+          "dims": [int(d) for d in m.group(2).split(",") if d] if m else [],
+          "dimensions": tuple(int(d) for d in attr.group(1).split(",") if d) if attr else (),
+          "async": op.endswith("-start"),
+        }
+      )
   return out
 
 
-def copies_of(text: str, shapes, *, prefetch: bool = False) -> list[str]:
-  """Copies of an array of one of `shapes` (a table or slot shard).
+def copies_of(text: str, arrays, *, prefetch: bool = False) -> list[str]:
+  """Copies of an array like one of `arrays` (a table or slot shard).
 
   Args:
-    shapes: (rows, columns) shapes; an (R, 1) shape also matches (R,).
+    arrays: (shape, dtype) pairs, the shape as (rows, columns), the dtype
+      as NumPy names it; an (R, 1) shape also matches (R,). The dtype
+      tells a table's copy from a per-id work array whose capacity is the
+      shard's rows (int32 ids of a table of float32 rows).
     prefetch: False: relayouts (`copy`), which rewrite the array every step.
       True: asynchronous copies (`copy-start`), which XLA's memory space
       assignment issues to prefetch an array that fits into VMEM.
   """
-  wanted = {tuple(s) for s in shapes} | {(s[0],) for s in shapes if s[1:] == (1,)}
+  wanted = set()
+  for shape, dtype in arrays:
+    name = _HLO_TYPES[str(dtype)]
+    wanted.add((tuple(shape), name))
+    if tuple(shape[1:]) == (1,):
+      wanted.add(((shape[0],), name))
   found = []
   for name, shape, op, _ in _instructions(text, entry_only=False):
     m = _SHAPE.search(shape)
     if op == ("copy-start" if prefetch else "copy") and m:
       dims = tuple(int(d) for d in m.group(2).split(",") if d)
-      if dims in wanted:
+      if (dims, m.group(1)) in wanted:
         found.append(f"{name} {m.group(0)}")
   return found
 
@@ -100,6 +134,17 @@ def kernel_calls(text: str) -> int:
     for _, _, op, line in _instructions(text, entry_only=False)
     if op == "custom-call" and "tpu_custom_call" in line
   )
+
+
+def kernels_by_name(text: str) -> dict[str, int]:
+  """Pallas (Mosaic) kernel launches per step, by the jitted function that
+  issued the `pallas_call` (`_gather_call`, `_fused_update_call`, ...)."""
+  counts = collections.Counter()
+  for _, _, op, line in _instructions(text, entry_only=False):
+    if op == "custom-call" and "tpu_custom_call" in line:
+      m = re.search(r"jit\((\w+)\)/pallas_call", line)
+      counts[m.group(1) if m else "?"] += 1
+  return dict(counts)
 
 
 def _dense_computations(text: str) -> set[str]:
