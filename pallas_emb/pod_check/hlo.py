@@ -108,8 +108,9 @@ def copies_of(text: str, arrays, *, prefetch: bool = False) -> list[str]:
       tells a table's copy from a per-id work array whose capacity is the
       shard's rows (int32 ids of a table of float32 rows).
     prefetch: False: relayouts (`copy`), which rewrite the array every step.
-      True: asynchronous copies (`copy-start`), which XLA's memory space
-      assignment issues to prefetch an array that fits into VMEM.
+      True: asynchronous copies (`copy-start`) and slices (`slice-start`,
+      matched by the array sliced), which XLA's memory space assignment
+      issues to stage an array, or pieces of it, in VMEM.
   """
   wanted = set()
   for shape, dtype in arrays:
@@ -120,7 +121,7 @@ def copies_of(text: str, arrays, *, prefetch: bool = False) -> list[str]:
   found = []
   for name, shape, op, _ in _instructions(text, entry_only=False):
     m = _SHAPE.search(shape)
-    if op == ("copy-start" if prefetch else "copy") and m:
+    if op in (("copy-start", "slice-start") if prefetch else ("copy",)) and m:
       dims = tuple(int(d) for d in m.group(2).split(",") if d)
       if (dims, m.group(1)) in wanted:
         found.append(f"{name} {m.group(0)}")
