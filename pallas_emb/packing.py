@@ -51,6 +51,9 @@ import numpy as np
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
 # Slots move as 32-bit words, like rows.
 SLOT_DTYPES = (np.dtype(np.float32), np.dtype(np.int32))
+# What the kernels also move as rows (an int32 slot, `kernels.staged_update`):
+# its words travel through their float32 interfaces as float32 bit patterns.
+WORD_DTYPES = (np.dtype(np.int32),)
 # Lanes of a packed physical row (one TPU vreg row of 32-bit words).
 LANES = 128
 # Rows per lane-dense group of a per-row scalar slot.
@@ -119,6 +122,8 @@ class SlotSpec(NamedTuple):
 
 def storage_dtype(dtype) -> np.dtype:
   """The element type of the stored table for a logical row dtype."""
+  if np.dtype(dtype) in WORD_DTYPES:
+    return np.dtype(dtype)
   return np.dtype(np.uint32) if np.dtype(dtype) == jnp.bfloat16 else np.dtype(np.float32)
 
 
@@ -182,7 +187,10 @@ def put_rows(stored, idx, values, width: int):
 
 
 def unpack_rows(words: jax.Array, dtype) -> jax.Array:
-  """(C, storage_width) stored rows -> (C, dim) float32."""
+  """(C, storage_width) stored rows -> (C, dim) float32 (an int32 array's
+  words as float32 bit patterns)."""
+  if np.dtype(dtype) in WORD_DTYPES:
+    return jax.lax.bitcast_convert_type(words, jnp.float32)
   if np.dtype(dtype) != jnp.bfloat16:
     return words.astype(jnp.float32)
   lo = jax.lax.bitcast_convert_type(words << 16, jnp.float32)
@@ -237,6 +245,8 @@ def pack_rows(rows: jax.Array, dtype, noise: jax.Array | None = None) -> jax.Arr
     noise: None rounds to nearest even; (C, dim) uint32 (`rounding_noise`)
       rounds bfloat16 stochastically.
   """
+  if np.dtype(dtype) in WORD_DTYPES:
+    return jax.lax.bitcast_convert_type(rows, np.dtype(dtype))
   if np.dtype(dtype) != jnp.bfloat16:
     return rows.astype(jnp.float32)
   half = rows.shape[-1] // 2

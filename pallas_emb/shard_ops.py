@@ -256,8 +256,7 @@ def _psum(t: ShardedTable, x: jax.Array) -> jax.Array:
 
 
 def fused_update(t: ShardedTable, table, slots, step, rows, grads, write):
-  """`kernels.fused_update` of `t`'s optimizer at `step` on its backend (an
-  optimizer that cannot run in a kernel takes the XLA path)."""
+  """`kernels.fused_update` of `t`'s optimizer at `step` on its backend."""
   opt, spec = t.spec.optimizer, t.spec
   return kernels.fused_update(
     table,
@@ -268,7 +267,7 @@ def fused_update(t: ShardedTable, table, slots, step, rows, grads, write):
     write,
     optimizer=opt,
     dtype=spec.dtype,
-    backend=t.backend if opt.runs_in_kernel else "xla",
+    backend=t.backend,
     rounding_key=_rounding_key(t, step) if spec.stochastic_rounding else None,
   )
 

@@ -20,6 +20,8 @@ asks for them, and the tests read their reports:
   bfloat16} x {RowWiseAdagrad, LazyAdam}, and FTRL, Adagrad and SGD at
   D=32, on v5e and v6e, runs its gather and update in Mosaic and fits the
   bound on temp;
+* `OptaxRows`, whose math runs in XLA, moves its rows through the kernels
+  and copies no table or slot;
 * the main job at its own D=16 and the DLRM configuration (26 tables, 4
   stacks) update and gather every table in Mosaic and copy none;
 * the all-to-alls' charge in XLA's cost model, probed op by op (`probes`).
@@ -129,6 +131,17 @@ COMPILES = {
     "--examples_per_chip=64",
     "--dim=32",
     "--optimizer=ftrl,adagrad,sgd",
+  ],
+  # OptaxRows (optax.adam per row): its math in XLA, its rows through the
+  # kernels (kernels.staged_update); synchronous only.
+  "optax_rows": [
+    "--topology=v5e:2x2",
+    "--workload=w_tpu",
+    "--vocab=4000000",
+    "--examples_per_chip=64",
+    "--pipelines=sync",
+    "--dim=16,128",
+    "--optimizer=optax_rows",
   ],
   # The main job as it runs (D=16 tables) and the DLRM configuration's 26
   # tables (D=16..128, rows capped at 20k).
@@ -283,6 +296,21 @@ def test_main_job_and_dlrm_run_every_table_in_the_kernels_and_copy_none(reports,
   assert sum(r["kernels"].values()) == r["kernel_calls"], r["kernels"]
   for table_name, table in r["tables"].items():
     assert not table["copies"] and not table["prefetches"], (table_name, table)
+
+
+def test_optax_rows_moves_its_rows_through_the_kernels_and_no_shard(reports):
+  for r in reports["optax_rows"]:
+    [table] = r["tables"].values()
+    case = (table["dim"], table["optimizer"])
+    assert table["optimizer"] == "OptaxRows" and r["pipeline"] == "sync", case
+    # The table and Adam's three slots (count, mu, nu): each gathered and
+    # written back by a kernel (plus the lookup's gathers).
+    assert r["kernels"].get("_fused_update_call") == 4, (case, r["kernels"])
+    assert r["kernels"].get("_gather_call", 0) >= 5, (case, r["kernels"])
+    # On the XLA path XLA staged both moment slots into VMEM in slices and
+    # its temp grew with the table (247 MiB for these 4M rows at D=16).
+    assert not table["copies"] and not table["prefetches"], (case, table)
+    assert r["temp_bytes"] < table["table_bytes"] / 4, (case, r["temp_bytes"] / MIB)
 
 
 def test_the_cost_models_all_to_all_overcharge_is_probed_op_by_op(reports):

@@ -12,7 +12,15 @@ and know nothing of training.
 
 from __future__ import annotations
 
-from pallas_emb.kernels import chip, native, native_id_map, pallas_gather, pallas_update, xla
+from pallas_emb.kernels import (
+  chip,
+  native,
+  native_id_map,
+  pallas_gather,
+  pallas_update,
+  staged_update,
+  xla,
+)
 from pallas_emb.kernels.backend import BACKENDS, check_name, default_backend, resolve_backend
 
 
@@ -60,7 +68,9 @@ def fused_update(
 ):
   """In-place optimizer update of distinct rows; see `xla.fused_update`
   (`rounding_key`: stochastic rounding of bfloat16 rows; the native
-  backend runs float32 tables only)."""
+  backend runs float32 tables only). An optimizer whose math cannot run in
+  a kernel (`runs_in_kernel` False) has it run in XLA on the rows the
+  kernels move (`staged_update`)."""
   if backend == "native" and rounding_key is None and native.supports(optimizer, dtype):
     return native.fused_update(
       table, slots, rows, grads, scalars, apply, optimizer=optimizer, dtype=dtype
@@ -69,6 +79,8 @@ def fused_update(
   kw = dict(optimizer=optimizer, dtype=dtype, rounding_key=rounding_key)
   if not uses_kernel(backend, table, slots, optimizer):
     return xla.fused_update(*args, **kw)
+  if not getattr(optimizer, "runs_in_kernel", True):
+    return staged_update.fused_update(*args, **kw, interpret=_kernel_mode(backend))
   return pallas_update.fused_update(*args, **kw, interpret=_kernel_mode(backend))
 
 

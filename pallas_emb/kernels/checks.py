@@ -75,8 +75,8 @@ def check_stored_table(table, dtype, dim: int | None = None) -> int:
       (R * storage width / 128, 128) (see `pallas_emb.packing`).
   """
   dtype = np.dtype(dtype)
-  if dtype not in packing.SUPPORTED_DTYPES:
-    raise InputError(f"dtype must be float32 or bfloat16, got {dtype}.")
+  if dtype not in packing.SUPPORTED_DTYPES + packing.WORD_DTYPES:
+    raise InputError(f"dtype must be float32 or bfloat16 (or an int32 slot's words), got {dtype}.")
   want = packing.storage_dtype(dtype)
   if table.ndim != 2 or np.dtype(table.dtype) != want:
     raise InputError(

@@ -1,7 +1,10 @@
 """What the kernels need of an optimizer: its slots and its row update.
 
 The kernels take any object with these two methods (every
-`pallas_emb.optimizers` optimizer has them); they import no optimizer.
+`pallas_emb.optimizers` optimizer has them); they import no optimizer. An
+optional `runs_in_kernel = False` says that `update_rows` cannot be lowered
+in Mosaic: it then runs in XLA on rows the kernels move
+(`staged_update`).
 """
 
 from __future__ import annotations

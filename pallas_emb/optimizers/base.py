@@ -11,7 +11,8 @@ and one flag:
   rows. The Pallas kernel calls it on VMEM values and the XLA path on gathered
   rows, so a new optimizer never needs a new kernel;
 * `runs_in_kernel` — False for math that cannot run inside a Pallas kernel
-  (arbitrary optax code): such an optimizer always takes the XLA path.
+  (arbitrary optax code): its `update_rows` then runs in XLA, on the rows
+  the kernels gather and write back (`kernels.staged_update`).
 
 Optionally, `native_rule()` names the C++ rule (csrc/row_rules.h) that does
 the same math on CPU, with its static hyperparameters, as

@@ -7,8 +7,8 @@ scalar leaves (step counts) become width-1 slots, and `tx.update` runs under
 Adam with per-row step counts.
 
 It is synchronous: arbitrary optax code runs in XLA, not in the fused Pallas
-kernel, so it does not implement `AsyncEmbOptimizer` and `use_async_emb=True`
-refuses it at config validation.
+kernel (the kernels only move its rows), so it does not implement
+`AsyncEmbOptimizer` and `use_async_emb=True` refuses it at config validation.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ class OptaxRows(EmbeddingOptimizer):
 
   tx: optax.GradientTransformation
 
-  # Arbitrary optax code: always the XLA path.
+  # Arbitrary optax code does not lower in Mosaic: XLA runs it, on the rows
+  # the kernels move (`kernels.staged_update`).
   runs_in_kernel = False
 
   def __post_init__(self):
