@@ -10,8 +10,8 @@ at lane r & 127, and the kernel moves whole groups.
 Reads: the ids of one group are consecutive (ascending ids), a *run*; the
 run's first id of the chunk DMAs the group into its buffer row
 (`row_dma.ChunkCopies(per_run=True)`) and `extract` takes each id's lane
-from there (`run_starts`). One read per run, not per id: at D = 128 about
-half of the update's DMAs were these group reads.
+from there (`run_starts`). One read per run, not per id: with row-wise
+Adagrad these group reads were half of the update's reads.
 
 Writes: ids of one group must not each write the group back: the later DMA
 would undo the earlier one's lane. So `merge` folds the run's new values
