@@ -3,6 +3,7 @@ or from its specs, become the workload that `pod_check` compiles (the
 compile itself is in test_pod_check.py); bad files are refused by name."""
 
 import os
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -105,3 +106,28 @@ def test_an_unreadable_file_is_named(tmp_path):
   path.write_text("{tables: 1}")
   with pytest.raises(ConfigError, match=r"model.json.*cannot read it as JSON"):
     config.load(str(path))
+
+
+@pytest.mark.parametrize(
+  "argv, match",
+  [
+    (["--dim=16,x"], r"--dim takes positive ints, got 'x'"),
+    (["--dim=0"], r"--dim takes positive ints, got '0'"),
+    (["--dtype=float16"], r"--dtype: 'float16' is not one of float32, bfloat16"),
+    (["--optimizer=adam"], r"--optimizer: 'adam' is not one of"),
+    ([f"--config={EXAMPLE}", "--dim=16,32"], r"--config sets each table's dim"),
+  ],
+)
+def test_pod_check_flags_are_refused_by_name(argv, match, capsys):
+  from pallas_emb.pod_check.__main__ import _parse  # pylint: disable=g-import-not-at-top
+
+  with pytest.raises(SystemExit):
+    _parse(argv)
+  assert re.search(match, capsys.readouterr().err), capsys.readouterr().err
+
+
+def test_pod_check_lists_compile_every_combination():
+  from pallas_emb.pod_check.__main__ import _parse  # pylint: disable=g-import-not-at-top
+
+  args = _parse(["--dim=16,32", "--dtype=float32,bfloat16", "--optimizer=sgd"])
+  assert (args.dim, args.dtype, args.optimizer) == ([16, 32], ["float32", "bfloat16"], ["sgd"])

@@ -138,8 +138,8 @@ OPTIMIZERS = {
   "rowwise_adagrad": lambda pe: pe.RowWiseAdagrad(0.05, half_life_steps=None),
   "lazy_adam": lambda pe: pe.LazyAdam(0.005),
   "ftrl": lambda pe: pe.FTRL(5.0),
-  # optax.adam per row: no fused kernel, so the XLA path, and only the
-  # synchronous pipeline (--pipelines=sync).
+  # optax.adam per row: no fused kernel, so its math runs in XLA on rows the
+  # kernels move (kernels.staged_update); synchronous only (--pipelines=sync).
   "optax_rows": lambda pe: pe.OptaxRows(_optax().adam(1e-3)),
 }
 
