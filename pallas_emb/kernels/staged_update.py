@@ -38,7 +38,7 @@ from pallas_emb.kernels.protocol import RowUpdate
 
 
 class _NoScalars(NamedTuple):
-  pass
+  """`_Assign`'s per-step scalars: none (its new rows come as gradients)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -130,11 +130,7 @@ def copies_of(text: str, arrays, *, prefetch: bool = False) -> list[str]:
 
 def kernel_calls(text: str) -> int:
   """Pallas (Mosaic) kernel launches per step."""
-  return sum(
-    1
-    for _, _, op, line in _instructions(text, entry_only=False)
-    if op == "custom-call" and "tpu_custom_call" in line
-  )
+  return sum(kernels_by_name(text).values())
 
 
 def kernels_by_name(text: str) -> dict[str, int]:
