@@ -15,8 +15,17 @@ TPU XLA keeps an array whose rows are not a multiple of 128 lanes transposed
 tiles, would relayout the whole table or slot on every step, and XLA's own
 scatter into such an array materialises table-sized temporaries. A per-row
 scalar (w = 1) is the extreme case, k = 128 (`kernels.scalar_slots`); rows
-of width 8 .. 64 are moved by `kernels.sub_rows`. Widths that do not divide
-128 are stored as they are.
+of width 8 .. 64 are moved by `kernels.sub_rows`.
+
+Other widths are stored *padded* with zero words to the next width that
+divides 128 or is a multiple of 128 (`padded_width`): 96 -> 128, 48 -> 64,
+192 -> 256, 320 -> 384. The waste is (padded - w) / padded of the array's
+HBM (25% at 96 and 192 words; `padding_waste`), which XLA would spend
+anyway: it pads such an array to whole 128-lane tiles in HBM, transposed or
+not. The pad words are never read as row values: every reader strips them
+(`unpadded`, `unpack_rows(dim=)`, `SlotSpec.values`) and every writer puts
+zeros there (`padded`, `put_rows`), so the optimizer math, checkpoints and
+host copies see rows of their logical width.
 
 A lone bfloat16 row is not a legal DMA on TPU, whose HBM tiles pack two
 bfloat16 *rows* into each 32-bit sublane word. Reinterpreting a (V, D) bf16
@@ -60,6 +69,44 @@ LANES = 128
 SLOT_GROUP = LANES
 
 
+def padded_width(width: int) -> int:
+  """The stored width of rows `width` words wide: `width` itself when it
+  divides 128 or is a multiple of 128, else the next width that does (the
+  next power of two below 128, the next multiple of 128 above)."""
+  if width <= 0:
+    raise ValueError(f"a row is at least 1 word wide, got width {width}")
+  if LANES % width == 0 or width % LANES == 0:
+    return width
+  if width < LANES:
+    return 1 << (width - 1).bit_length()
+  return -(-width // LANES) * LANES
+
+
+def padding_waste(width: int) -> float:
+  """The fraction of a stored array of rows `width` words wide that is
+  padding (0.25 at 96 and 192; 0 where `padded_width` is `width`)."""
+  return 1.0 - width / padded_width(width)
+
+
+def padded(rows, width: int):
+  """(..., w) rows (NumPy or JAX) -> (..., width) with zero pad words
+  (`rows` itself when w == width)."""
+  extra = width - rows.shape[-1]
+  if extra == 0:
+    return rows
+  if extra < 0:
+    raise ValueError(f"rows {rows.shape[-1]} words wide do not fit in {width}")
+  xp = np if isinstance(rows, np.ndarray) else jnp
+  pad = xp.zeros(rows.shape[:-1] + (extra,), rows.dtype)
+  return xp.concatenate([rows, pad], axis=-1)
+
+
+def unpadded(words, width: int):
+  """(..., W) stored rows -> their first `width` words (the row without
+  its padding; `words` itself when W == width)."""
+  return words if words.shape[-1] == width else words[..., :width]
+
+
 def packs(width: int, rows_per_shard: int) -> bool:
   """Whether rows `width` words wide are stored packed, 128 / width to a
   128-lane row, in shards of `rows_per_shard` rows (see the module
@@ -73,6 +120,7 @@ def stored_shape(num_rows: int, width: int, rows_per_shard: int | None = None) -
   Args:
     rows_per_shard: the rows of each shard (default `num_rows`: one shard).
   """
+  width = padded_width(width)
   if packs(width, num_rows if rows_per_shard is None else rows_per_shard):
     return (num_rows * width // LANES, LANES)
   return (num_rows, width)
@@ -95,9 +143,13 @@ class SlotSpec(NamedTuple):
     """Columns per row of this slot for a table of width `dim`."""
     return dim if self.width is None else self.width
 
+  def stored_width(self, dim: int) -> int:
+    """Stored words per row of this slot (`padded_width` of `width_for`)."""
+    return padded_width(self.width_for(dim))
+
   def packed(self, rows_per_shard: int, dim: int) -> bool:
     """Whether this slot is stored packed (see `packs`)."""
-    return packs(self.width_for(dim), rows_per_shard)
+    return packs(self.stored_width(dim), rows_per_shard)
 
   def shape_for(
     self, num_rows: int, dim: int, rows_per_shard: int | None = None
@@ -112,11 +164,19 @@ class SlotSpec(NamedTuple):
     return stored_shape(num_rows, self.width_for(dim), rows_per_shard)
 
   def as_rows(self, stored, dim: int):
-    """A stored slot (NumPy or JAX) viewed (rows, width)."""
-    return stored.reshape(-1, self.width_for(dim))
+    """A stored slot (NumPy or JAX) viewed (rows, stored_width): its rows
+    with their padding, if any (see `values`)."""
+    return stored.reshape(-1, self.stored_width(dim))
+
+  def values(self, stored, dim: int):
+    """A stored slot (NumPy or JAX) -> (rows, width): its rows without
+    padding."""
+    return unpadded(self.as_rows(stored, dim), self.width_for(dim))
 
   def as_stored(self, rows, dim: int, rows_per_shard: int | None = None):
-    """A (rows, width) slot (NumPy or JAX) in its stored shape."""
+    """A (rows, width) or (rows, stored_width) slot (NumPy or JAX) in its
+    stored shape."""
+    rows = padded(rows, self.stored_width(dim))
     return rows.reshape(self.shape_for(rows.shape[0], dim, rows_per_shard))
 
 
@@ -127,9 +187,15 @@ def storage_dtype(dtype) -> np.dtype:
   return np.dtype(np.uint32) if np.dtype(dtype) == jnp.bfloat16 else np.dtype(np.float32)
 
 
-def storage_width(dim: int, dtype) -> int:
-  """Stored words per row for a row of `dim` elements of `dtype`."""
+def row_words(dim: int, dtype) -> int:
+  """The 32-bit words that hold a row of `dim` elements of `dtype`."""
   return dim // 2 if np.dtype(dtype) == jnp.bfloat16 else dim
+
+
+def storage_width(dim: int, dtype) -> int:
+  """Stored words per row for a row of `dim` elements of `dtype` (its
+  `row_words`, padded: `padded_width`)."""
+  return padded_width(row_words(dim, dtype))
 
 
 def table_shape(
@@ -141,13 +207,15 @@ def table_shape(
 
 
 def table_rows(stored, dim: int, dtype):
-  """A stored table (NumPy or JAX) viewed (rows, storage_width)."""
+  """A stored table (NumPy or JAX) viewed (rows, storage_width), padding
+  included."""
   return stored.reshape(-1, storage_width(dim, dtype))
 
 
 def table_stored(rows, dim: int, dtype, rows_per_shard: int | None = None):
-  """(rows, storage_width) stored rows (NumPy or JAX) in the table's stored
-  shape."""
+  """(rows, row_words) or (rows, storage_width) stored rows (NumPy or JAX)
+  in the table's stored shape."""
+  rows = padded(rows, storage_width(dim, dtype))
   return rows.reshape(table_shape(rows.shape[0], dim, dtype, rows_per_shard))
 
 
@@ -174,11 +242,11 @@ def take_rows(stored, idx, width: int):
 
 
 def put_rows(stored, idx, values, width: int):
-  """`stored` with rows `idx` set to (C, width) `values` (distinct indices;
-  an index past the end writes nothing), stored as it is or packed. A
-  packed row's neighbours in its physical row are untouched: the scatter
-  writes words, not physical rows."""
-  values = values.astype(stored.dtype)
+  """`stored` with rows `idx` set to (C, w) `values`, zero-padded to
+  `width` (distinct indices; an index past the end writes nothing), stored
+  as it is or packed. A packed row's neighbours in its physical row are
+  untouched: the scatter writes words, not physical rows."""
+  values = padded(values.astype(stored.dtype), width)
   if stored.shape[1] == width:
     return stored.at[idx].set(values, mode="drop")
   k = LANES // width
@@ -186,9 +254,12 @@ def put_rows(stored, idx, values, width: int):
   return stored.at[(idx // k)[:, None], cols].set(values, mode="drop")
 
 
-def unpack_rows(words: jax.Array, dtype) -> jax.Array:
-  """(C, storage_width) stored rows -> (C, dim) float32 (an int32 array's
-  words as float32 bit patterns)."""
+def unpack_rows(words: jax.Array, dtype, dim: int | None = None) -> jax.Array:
+  """(C, W) stored rows -> (C, dim) float32 (an int32 array's words as
+  float32 bit patterns). `dim`: the row width, whose `row_words` are read
+  and the padding dropped (None: all W words are the row's)."""
+  if dim is not None:
+    words = unpadded(words, row_words(dim, dtype))
   if np.dtype(dtype) in WORD_DTYPES:
     return jax.lax.bitcast_convert_type(words, jnp.float32)
   if np.dtype(dtype) != jnp.bfloat16:
@@ -239,7 +310,8 @@ def _bf16_bits(x: jax.Array, noise: jax.Array | None = None) -> jax.Array:
 
 
 def pack_rows(rows: jax.Array, dtype, noise: jax.Array | None = None) -> jax.Array:
-  """(C, dim) float32 -> (C, storage_width) stored rows of `dtype`.
+  """(C, dim) float32 -> (C, row_words) stored rows of `dtype`, without
+  padding (`padded` adds it; `put_rows` does).
 
   Args:
     noise: None rounds to nearest even; (C, dim) uint32 (`rounding_noise`)
@@ -264,9 +336,12 @@ def to_storage(values, dtype) -> np.ndarray:
   return bits[..., :half] | (bits[..., half:] << 16)
 
 
-def from_storage(words, dtype) -> np.ndarray:
-  """Host-side: stored words -> (V, dim) array of `dtype` (NumPy)."""
+def from_storage(words, dtype, dim: int | None = None) -> np.ndarray:
+  """Host-side: stored words -> (V, dim) array of `dtype` (NumPy); `dim`
+  drops the padding of rows stored padded (None: every word is the row's)."""
   words = np.asarray(words)
+  if dim is not None:
+    words = unpadded(words, row_words(dim, dtype))
   if np.dtype(dtype) != jnp.bfloat16:
     return words.astype(np.float32)
   lo = (words & 0xFFFF).astype(np.uint16)

@@ -110,13 +110,12 @@ def init_shard(
   def generate(start, size):
     logical = layout.logical_of(shard * rps + start + jnp.arange(size))
     if members is not None:
-      return packing.pack_rows(
-        members_lib.init_rows(members, spec.initializer, key, logical, spec.dim), spec.dtype
-      )
+      rows = members_lib.init_rows(members, spec.initializer, key, logical, spec.dim)
+      return packing.padded(packing.pack_rows(rows, spec.dtype), width)
     keys = jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.maximum(logical, 0))
     rows = jax.vmap(lambda k: spec.initializer(k, (spec.dim,), jnp.float32))(keys)
     rows = jnp.where(logical[:, None] >= 0, rows.astype(jnp.float32), 0.0)
-    return packing.pack_rows(rows, spec.dtype)
+    return packing.padded(packing.pack_rows(rows, spec.dtype), width)
 
   if rps <= _INIT_CHUNK_ROWS:
     table = generate(0, rps)
@@ -191,14 +190,14 @@ def state_from_logical(
 def logical_table(spec: TableSpec, layout: RowLayout, state: TableState) -> np.ndarray:
   """(num_rows, dim) host copy of a table in logical order, of its dtype."""
   physical = packing.table_rows(to_host(state.table), spec.dim, spec.dtype)
-  return packing.from_storage(layout.to_logical(physical), spec.dtype)
+  return packing.from_storage(layout.to_logical(physical), spec.dtype, spec.dim)
 
 
 def logical_slots(spec: TableSpec, layout: RowLayout, state: TableState) -> dict[str, np.ndarray]:
   """Slot name -> (num_rows, width) host copy in logical row order."""
   specs = spec.optimizer.slot_specs()
   return {
-    k: layout.to_logical(specs[k].as_rows(to_host(v), spec.dim)) for k, v in state.slots.items()
+    k: layout.to_logical(specs[k].values(to_host(v), spec.dim)) for k, v in state.slots.items()
   }
 
 

@@ -84,7 +84,7 @@ def test_stored_shapes_pack_widths_that_divide_128():
   assert packing.table_shape(256, 16, jnp.float32) == (32, 128)
   assert packing.table_shape(256, 64, jnp.bfloat16) == (64, 128)  # 32 words a row
   assert packing.table_shape(256, 128, jnp.float32) == (256, 128)
-  assert packing.table_shape(256, 48, jnp.float32) == (256, 48)  # 48 does not divide 128
+  assert packing.table_shape(256, 48, jnp.float32) == (128, 128)  # padded to 64, 2 to a row
   # Shards of 8 rows cannot hold whole physical rows of 16 rows of width 8.
   assert packing.table_shape(64, 8, jnp.float32, rows_per_shard=8) == (64, 8)
   assert packing.table_shape(64, 8, jnp.float32, rows_per_shard=16) == (4, 128)

@@ -18,8 +18,8 @@ asks for them, and the tests read their reports:
 
 * every table shape: W-TPU's step for D in {16, 32, 64, 128} x {float32,
   bfloat16} x {RowWiseAdagrad, LazyAdam}, and FTRL, Adagrad and SGD at
-  D=32, on v5e and v6e, runs its gather and update in Mosaic and fits the
-  bound on temp;
+  D=32, on v5e and v6e, and the padded widths D in {96, 192} on v5e, runs
+  its gather and update in Mosaic and fits the bound on temp;
 * `OptaxRows`, whose math runs in XLA, moves its rows through the kernels
   and copies no table or slot;
 * the main job at its own D=16 and the DLRM configuration (26 tables, 4
@@ -122,6 +122,17 @@ COMPILES = {
     "--examples_per_chip=64",
     "--dtype=float32,bfloat16",
     "--dim=16,32,64,128",
+    "--optimizer=rowwise_adagrad,lazy_adam",
+  ],
+  # Widths stored padded (96 -> 128 words, 192 -> 256; bf16 96 -> 64 words
+  # packed 2 to a row, 192 -> 128): on the kernel path too.
+  "padded": [
+    "--topology=v5e:2x2",
+    "--workload=w_tpu",
+    "--vocab=4000000",
+    "--examples_per_chip=64",
+    "--dtype=float32,bfloat16",
+    "--dim=96,192",
     "--optimizer=rowwise_adagrad,lazy_adam",
   ],
   "optimizers": [
@@ -265,11 +276,11 @@ def test_w_tpu_fits_twice_its_working_set_and_copies_no_table_or_slot(reports):
 
 
 def test_every_table_shape_and_optimizer_runs_in_the_kernels(reports):
-  got = reports["shapes"] + reports["optimizers"]
+  got = reports["shapes"] + reports["optimizers"] + reports["padded"]
   cases = {
     (r["topology"], t["dim"], t["dtype"], t["optimizer"]) for r in got for t in r["tables"].values()
   }
-  assert len(got) == len(cases) == 2 * (4 * 2 * 2 + 3), sorted(cases)
+  assert len(got) == len(cases) == 2 * (4 * 2 * 2 + 3) + 2 * 2 * 2, sorted(cases)
   for r in got:
     [table] = r["tables"].values()
     case = (r["topology"], table["dim"], table["dtype"], table["optimizer"])

@@ -38,7 +38,8 @@ def report(num_ids: int, dim: int, repeats: int) -> None:
   table_rows = 16 * num_ids
   for dtype in (jnp.float32, jnp.bfloat16):
     width = packing.storage_width(dim, dtype)
-    table = jnp.asarray(packing.to_storage(rng.normal(size=(table_rows, dim)), dtype))
+    values = packing.to_storage(rng.normal(size=(table_rows, dim)), dtype)
+    table = jnp.asarray(packing.table_stored(values, dim, dtype))
     slots = {"acc": jnp.zeros((table_rows, 1), jnp.float32)}
     ids = jnp.asarray(rng.permutation(table_rows)[:num_ids].astype(np.int32))
     grads = jnp.asarray(rng.normal(size=(num_ids, dim)).astype(np.float32))

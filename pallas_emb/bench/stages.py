@@ -123,8 +123,9 @@ def xla_stages(
     idx = jnp.where(r >= 0, r, jnp.int32(2**30))
     width = packing.storage_width(spec.dim, spec.dtype)
     specs = opt.slot_specs()
-    return packing.unpack_rows(packing.take_rows(table, idx, width), spec.dtype), {
-      k: packing.take_rows(v, idx, specs[k].width_for(spec.dim)) for k, v in slots.items()
+    return packing.unpack_rows(packing.take_rows(table, idx, width), spec.dtype, spec.dim), {
+      k: specs[k].values(packing.take_rows(v, idx, specs[k].stored_width(spec.dim)), spec.dim)
+      for k, v in slots.items()
     }
 
   math = jax.jit(lambda r, s, g, st: opt.update_rows(r, s, g, opt.scalars(st)))

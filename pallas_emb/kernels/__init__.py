@@ -35,12 +35,13 @@ def uses_kernel(backend: str, table, slots=None, optimizer=None) -> bool:
   On a TPU a Mosaic operand is (8, 128)-tiled, but XLA keeps an array whose
   stored rows are not a multiple of 128 lanes wide transposed in HBM, so a
   kernel there would relayout the whole table every step: such tables (and
-  tables with such slots) take the XLA path on "pallas". Rows narrower
-  than 128 lanes are stored packed (`pallas_emb.packing`), 128 lanes wide,
-  wherever their width divides 128, so only other widths do. The
-  interpreter ("interpret") runs the kernels at any width: that is how they
-  are tested. The update kernel also needs whole 128-row groups of a shard
-  with per-row scalar slots.
+  tables with such slots) take the XLA path on "pallas". Every table and
+  slot is stored lane-dense (`pallas_emb.packing`): rows of a width that
+  divides 128 packed 128 / width to a physical row, other widths padded to
+  one that divides 128 or is a multiple of it; only a shard too small to
+  hold whole physical rows stays narrow. The interpreter ("interpret") runs
+  the kernels at any width: that is how they are tested. The update kernel
+  also needs whole 128-row groups of a shard with per-row scalar slots.
   """
   if check_name(backend) in ("xla", "native"):
     return False

@@ -98,6 +98,14 @@ def check_stored_table(table, dtype, dim: int | None = None) -> int:
   return dim
 
 
+def row_width(table, dim: int, dtype) -> int:
+  """Words per row of a table that `check_stored_table` accepted: its
+  `packing.storage_width`, or, for rows kept unpadded (rows a step
+  computed, gathered again), their own `packing.row_words`."""
+  words = packing.row_words(dim, dtype)
+  return words if table.shape[1] == words else packing.storage_width(dim, dtype)
+
+
 def table_rows(table, dim: int, dtype) -> int:
   """Logical rows of a table that `check_stored_table` accepted."""
   return packing.num_rows_of(table, packing.storage_width(dim, dtype))
@@ -136,7 +144,7 @@ def check_slots(
     # A kernel's caller may keep a wide slot as rows (unpacked); a scalar
     # slot's stored shape is fixed (the kernels rely on its groups).
     ok = tuple(x.shape) == want or (
-      lenient and spec.width != 1 and tuple(x.shape) == (num_rows, spec.width_for(dim))
+      lenient and spec.width != 1 and tuple(x.shape) == (num_rows, spec.stored_width(dim))
     )
     if not ok or np.dtype(x.dtype) != np.dtype(spec.dtype):
       raise InputError(

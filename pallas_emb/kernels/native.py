@@ -151,7 +151,7 @@ def _per_row(rule: _Rule, optimizer: RowUpdate, slots, rows, scalars, dim) -> ja
   # Padding (-1) reads zeros; XLA drops the gathers per_row does not use.
   idx = jnp.where(rows >= 0, rows, jnp.iinfo(jnp.int32).max)
   slot_rows = {
-    k: jnp.take(specs[k].as_rows(v, dim), idx, axis=0, mode="fill", fill_value=0)
+    k: jnp.take(specs[k].values(v, dim), idx, axis=0, mode="fill", fill_value=0)
     for k, v in slots.items()
   }
   out = jnp.asarray(rule.per_row(slot_rows, scalars), jnp.float32)

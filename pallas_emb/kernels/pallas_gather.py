@@ -68,7 +68,7 @@ def vmem_footprint_bytes(
   return words * chip_lib.WORD_BYTES
 
 
-def _gather_kernel(rows_ref, table_hbm, out_ref, buf, *scratch, dtype, num_rows, width, shift):
+def _gather_kernel(rows_ref, table_hbm, out_ref, buf, *scratch, dtype, dim, num_rows, width, shift):
   """One grid step: one chunk of row ids; see the module docstring.
 
   Refs: rows (W,) int32 in SMEM; the table in HBM; the (C, dim) float32
@@ -107,12 +107,12 @@ def _gather_kernel(rows_ref, table_hbm, out_ref, buf, *scratch, dtype, num_rows,
   current.wait()
   current.zero_padding()
   if not shift:
-    out_ref[...] = packing.unpack_rows(buf[cur], dtype)
+    out_ref[...] = packing.unpack_rows(buf[cur], dtype, dim)
     return
   sub_rows.extract(
     rows_ref, i * chunk, [buf.at[cur]], sub, shifts=[shift], widths=[width], num_rows=num_rows
   )
-  out_ref[...] = packing.unpack_rows(sub_rows.rows_of(sub[0], width, buf.dtype), dtype)
+  out_ref[...] = packing.unpack_rows(sub_rows.rows_of(sub[0], width, buf.dtype), dtype, dim)
 
 
 def gather(
@@ -168,7 +168,7 @@ def gather(
       dim=dim,
       dtype=dtype,
       chunk_rows=c,
-      packed=table.shape[1] != packing.storage_width(dim, dtype),
+      packed=table.shape[1] != checks.row_width(table, dim, dtype),
     ),
     chunk,
     chip,
@@ -204,7 +204,7 @@ def gather(
 )
 def _gather_call(table, rows, *, num_ids, dim, dtype, chunk, window, interpret, vmem_limit, in_hbm):
   """The kernel, once per window of ids."""
-  width = packing.storage_width(dim, dtype)
+  width = checks.row_width(table, dim, dtype)
   shift = sub_rows.shift_of(width, table.shape[1])
   num_rows = packing.num_rows_of(table, width)
   space = pltpu.HBM if in_hbm else pl.ANY
@@ -215,7 +215,7 @@ def _gather_call(table, rows, *, num_ids, dim, dtype, chunk, window, interpret, 
     size = min(window, num_ids - start)
     steps = pl.cdiv(size, chunk)
     cost = pl.estimate_cost(
-      functools.partial(packing.unpack_rows, dtype=dtype),
+      functools.partial(packing.unpack_rows, dtype=dtype, dim=dim),
       jax.ShapeDtypeStruct((steps * chunk, width), table.dtype),
     )
     cost = pl.CostEstimate(
@@ -227,7 +227,9 @@ def _gather_call(table, rows, *, num_ids, dim, dtype, chunk, window, interpret, 
     )
     outs.append(
       pl.pallas_call(
-        functools.partial(_gather_kernel, dtype=dtype, num_rows=num_rows, width=width, shift=shift),
+        functools.partial(
+          _gather_kernel, dtype=dtype, dim=dim, num_rows=num_rows, width=width, shift=shift
+        ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=1,
           grid=(steps,),

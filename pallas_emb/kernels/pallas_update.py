@@ -177,7 +177,7 @@ def fused_update(
       "the XLA path (kernels.uses_kernel decides)."
     )
   wide = tuple(n for n in slots if not is_narrow(specs[n]))
-  widths = (packing.storage_width(dim, dtype),) + tuple(specs[n].width_for(dim) for n in wide)
+  widths = (packing.storage_width(dim, dtype),) + tuple(specs[n].stored_width(dim) for n in wide)
   layout = update_kernel.Layout(
     wide,
     tuple(n for n in slots if is_narrow(specs[n])),

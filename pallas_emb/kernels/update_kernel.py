@@ -53,12 +53,22 @@ from pallas_emb.kernels import row_dma, scalar_slots, sub_rows
 
 def update_chunk(words, slots, grads, scalars, *, optimizer, dtype, noise=None):
   """Stored rows -> updated stored rows: what the kernel runs per chunk
-  (`noise`: bfloat16 rows rounded stochastically, `packing.pack_rows`)."""
+  (`noise`: bfloat16 rows rounded stochastically, `packing.pack_rows`).
+  The math sees rows of their logical width; pad words are written zero."""
+  dim = grads.shape[1]
+  specs = optimizer.slot_specs()
   new_rows, new_slots = optimizer.update_rows(
-    packing.unpack_rows(words, dtype), slots, grads, scalars
+    packing.unpack_rows(words, dtype, dim),
+    {k: packing.unpadded(v, specs[k].width_for(dim)) for k, v in slots.items()},
+    grads,
+    scalars,
   )
-  packed = packing.pack_rows(new_rows, dtype, noise).astype(words.dtype)
-  return packed, {k: new_slots[k].astype(v.dtype) for k, v in slots.items()}
+  packed = packing.padded(
+    packing.pack_rows(new_rows, dtype, noise).astype(words.dtype), words.shape[1]
+  )
+  return packed, {
+    k: packing.padded(new_slots[k].astype(v.dtype), v.shape[1]) for k, v in slots.items()
+  }
 
 
 class Layout(NamedTuple):

@@ -37,9 +37,9 @@ def gather(table: jax.Array, rows: jax.Array, *, dtype, dim: int | None = None) 
     (C, dim) float32, zero rows for padding.
   """
   dim = checks.check_gather(table, rows, dtype, dim)
-  width = packing.storage_width(dim, dtype)
+  width = checks.row_width(table, dim, dtype)
   idx = _out_of_bounds(rows, packing.num_rows_of(table, width), True)
-  return packing.unpack_rows(packing.take_rows(table, idx, width), dtype)
+  return packing.unpack_rows(packing.take_rows(table, idx, width), dtype, dim)
 
 
 def fused_update(
@@ -68,11 +68,14 @@ def fused_update(
   width = packing.storage_width(dim, dtype)
   idx = _out_of_bounds(rows, checks.table_rows(table, dim, dtype), apply)
   specs = optimizer.slot_specs()
-  widths = {k: specs[k].width_for(dim) for k in slots}
+  widths = {k: specs[k].stored_width(dim) for k in slots}
   noise = None if rounding_key is None else packing.rounding_noise(rounding_key, rows, dim)
   new_rows, new_slots = optimizer.update_rows(
-    packing.unpack_rows(packing.take_rows(table, idx, width), dtype),
-    {k: packing.take_rows(v, idx, widths[k]) for k, v in slots.items()},
+    packing.unpack_rows(packing.take_rows(table, idx, width), dtype, dim),
+    {
+      k: packing.unpadded(packing.take_rows(v, idx, widths[k]), specs[k].width_for(dim))
+      for k, v in slots.items()
+    },
     grads,
     scalars,
   )

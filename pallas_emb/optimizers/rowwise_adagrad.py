@@ -108,7 +108,7 @@ class RowWiseAdagrad(base.EmbeddingOptimizer, FusedAsyncEmbUpdate):
     return "rowwise_adagrad_lazy", static, per_row
 
   def update_rows(self, rows, slots, grads, scalars: RowWiseAdagradScalars):
-    mean_sq = jnp.mean(grads * grads, axis=-1, keepdims=True)
+    mean_sq = _row_mean(grads * grads)
     acc = slots["acc"]
     new_slots = {}
     if self.decay != 1.0:
@@ -126,3 +126,20 @@ class RowWiseAdagrad(base.EmbeddingOptimizer, FusedAsyncEmbUpdate):
     if self.weight_decay:
       step = step + np.float32(self.weight_decay) * rows
     return rows - scalars.learning_rate * step, new_slots
+
+
+def _row_mean(x: jax.Array) -> jax.Array:
+  """(C, D) -> (C, 1) float32 mean of each row, summed as a fixed tree of
+  halves. Why not `jnp.mean`: a reduction's order is the compiler's, and it
+  differs between a kernel's chunk of rows and XLA's whole batch (1-ulp
+  drifts between the backends at D >= 80 on CPU); elementwise adds in a
+  fixed order round alike wherever they run. Zero columns pad D to a power
+  of two: adding zeros is exact."""
+  d = x.shape[-1]
+  width = 1 << (d - 1).bit_length()
+  if width != d:
+    x = jnp.concatenate([x, jnp.zeros(x.shape[:-1] + (width - d,), x.dtype)], axis=-1)
+  while x.shape[-1] > 1:
+    half = x.shape[-1] // 2
+    x = x[..., :half] + x[..., half:]
+  return x / np.float32(d)

@@ -202,7 +202,7 @@ def floor_bytes(emb, workload: Workload, mesh_size: int) -> int:
     ids = sum(
       workload.examples_per_chip * f.bag_size for f in workload.features if f.table == spec.name
     )
-    row = packing.storage_width(spec.dim, spec.dtype) * 4
+    row = packing.row_words(spec.dim, spec.dtype) * 4  # padding is overhead, not floor
     scalars = sum(4 for s in spec.optimizer.slot_specs().values() if s.width == 1)
     wide = sum(
       s.width_for(spec.dim) * 4 for s in spec.optimizer.slot_specs().values() if s.width != 1
@@ -215,7 +215,7 @@ def floor_bytes(emb, workload: Workload, mesh_size: int) -> int:
 def _state_bytes(spec: TableSpec, rows_per_shard: int) -> tuple[int, int]:
   table = rows_per_shard * packing.storage_width(spec.dim, spec.dtype) * 4
   slots = sum(
-    rows_per_shard * s.width_for(spec.dim) * 4 for s in spec.optimizer.slot_specs().values()
+    rows_per_shard * s.stored_width(spec.dim) * 4 for s in spec.optimizer.slot_specs().values()
   )
   return table, slots
 
@@ -264,12 +264,17 @@ def report(
     stored = packing.storage_dtype(spec.dtype)
     arrays = {
       ((rps, packing.storage_width(spec.dim, spec.dtype)), stored),
+      ((rps, packing.row_words(spec.dim, spec.dtype)), stored),  # its rows unpadded
       (packing.table_shape(rps, spec.dim, spec.dtype), stored),
       ((rps, spec.dim), np.dtype(spec.dtype)),  # its rows unpacked
     } | {
       (shape, np.dtype(s.dtype))
       for s in spec.optimizer.slot_specs().values()
-      for shape in (s.shape_for(rps, spec.dim), (rps, s.width_for(spec.dim)))
+      for shape in (
+        s.shape_for(rps, spec.dim),
+        (rps, s.stored_width(spec.dim)),
+        (rps, s.width_for(spec.dim)),
+      )
     }
     tables[spec.name] = {
       "rows": spec.num_rows,

@@ -1,0 +1,218 @@
+"""Rows whose width neither divides 128 nor is a multiple of it, stored padded
+(pallas_emb.packing): the padded widths and their waste, the stored shapes,
+the optimizer math on logical rows (a row-wise mean over `dim` columns, not
+the padded width), the Pallas kernels in TPU interpret mode bit for bit
+against the XLA path, pad words that stay zero, and host copies,
+checkpoint-style resharding and a sharded step that never show the padding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_mesh
+from jax.experimental.pallas import tpu as pltpu
+
+import pallas_emb as pe
+from pallas_emb import kernels, packing
+from pallas_emb import state as state_lib
+from pallas_emb.kernels import xla
+from pallas_emb.kernels.pallas_gather import gather
+from pallas_emb.kernels.pallas_update import fused_update
+from sharding.layout import RowLayout
+
+INTERPRET = pltpu.InterpretParams()
+NUM_ROWS, CHUNK, WINDOW, STEP = 256, 16, 32, 7
+OPTIMIZERS = [
+  pe.RowWiseAdagrad(0.1, half_life_steps=3, lazy_decay=True, weight_decay=0.01),
+  pe.LazyAdam(0.05),
+]
+OPT_IDS = [type(o).__name__ for o in OPTIMIZERS]
+SHAPES = [(jnp.float32, 96), (jnp.bfloat16, 96), (jnp.float32, 192), (jnp.bfloat16, 192)]
+SHAPE_IDS = ["f32-96", "bf16-96", "f32-192", "bf16-192"]
+
+# The quick loop's subset (conftest): f32 D=96, both optimizers.
+QUICK = {
+  "test_padded_kernels_equal_xla": lambda p: p["shape"] == SHAPES[0],
+}
+
+
+def test_padded_widths_and_their_waste():
+  want = {1: 1, 3: 4, 8: 8, 24: 32, 48: 64, 96: 128, 128: 128, 160: 256, 192: 256, 320: 384}
+  assert {w: packing.padded_width(w) for w in want} == want
+  assert packing.padding_waste(96) == packing.padding_waste(192) == 0.25
+  assert packing.padding_waste(64) == packing.padding_waste(256) == 0.0
+  with pytest.raises(ValueError, match="at least 1 word"):
+    packing.padded_width(0)
+
+
+def test_stored_shapes_are_lane_dense_for_every_width():
+  f32, bf16 = jnp.float32, jnp.bfloat16
+  assert packing.table_shape(256, 96, f32) == (256, 128)
+  assert packing.table_shape(256, 96, bf16) == (128, 128)  # 48 words -> 64, 2 to a row
+  assert packing.table_shape(256, 192, f32) == (256, 256)
+  assert packing.table_shape(256, 192, bf16) == (256, 128)  # 96 words -> 128
+  assert packing.table_shape(256, 48, f32) == (128, 128)
+  m = pe.LazyAdam().slot_specs()["m"]
+  assert m.shape_for(256, 96) == (256, 128) and m.shape_for(256, 192) == (256, 256)
+  assert m.width_for(96) == 96 and m.stored_width(96) == 128
+
+
+@pytest.mark.parametrize("dtype,dim", SHAPES, ids=SHAPE_IDS)
+def test_host_conversions_drop_and_restore_the_padding(dtype, dim):
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(64, dim)).astype(np.float32)
+  stored = packing.table_stored(packing.to_storage(x, dtype), dim, dtype)
+  rows = packing.table_rows(stored, dim, dtype)
+  assert rows.shape == (64, packing.storage_width(dim, dtype))
+  np.testing.assert_array_equal(rows[:, packing.row_words(dim, dtype) :], 0)
+  back = packing.from_storage(rows, dtype, dim)
+  np.testing.assert_array_equal(back, np.asarray(x.astype(dtype)))
+  m = pe.LazyAdam().slot_specs()["m"]
+  slot = m.as_stored(x, dim)
+  np.testing.assert_array_equal(m.values(slot, dim), x)
+
+
+def _state(opt, dtype, dim, rng):
+  """A padded stored table and random slots (NumPy)."""
+  table = packing.table_stored(
+    packing.to_storage(rng.normal(size=(NUM_ROWS, dim)), dtype), dim, dtype
+  )
+  slots = {}
+  for name, s in opt.slot_specs().items():
+    shape = s.shape_for(NUM_ROWS, dim)
+    if np.dtype(s.dtype) == np.int32:
+      slots[name] = rng.integers(0, STEP, shape).astype(np.int32)
+    else:  # accumulators and second moments are positive
+      values = rng.uniform(0.05, 2.0, (NUM_ROWS, s.width_for(dim))).astype(np.float32)
+      slots[name] = s.as_stored(values, dim) if s.width != 1 else values.reshape(shape)
+  return table, slots
+
+
+def _ids(rng):
+  """48 ascending distinct ids among the first 96 rows, then 5 padding ids:
+  several chunks and windows, runs of ids in one packed physical row."""
+  rows = np.sort(rng.choice(96, 48, replace=False)).astype(np.int32)
+  return np.concatenate([rows, np.full(5, -1, np.int32)])
+
+
+def _bits(x):
+  x = np.asarray(x)
+  return x.view(np.dtype(f"u{x.dtype.itemsize}"))
+
+
+def _update(impl, opt, dtype, *args):
+  if impl == "xla":
+    fn = lambda *a: xla.fused_update(*a, optimizer=opt, dtype=dtype)
+  else:
+    fn = lambda *a: fused_update(
+      *a, optimizer=opt, dtype=dtype, interpret=INTERPRET, chunk_rows=CHUNK, window_rows=WINDOW
+    )
+  return jax.jit(fn)(*args)
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=OPT_IDS)
+def test_xla_path_on_padded_state_is_the_logical_update(opt):
+  # The math sees rows of `dim` columns: RowWiseAdagrad's mean square is
+  # over 96 columns, not 128.
+  dtype, dim = jnp.float32, 96
+  rng = np.random.default_rng(1)
+  table, slots = _state(opt, dtype, dim, rng)
+  rows = _ids(rng)
+  grads = rng.normal(size=(rows.size, dim)).astype(np.float32)
+  scalars = opt.scalars(jnp.int32(STEP))
+  got_table, got_slots = _update("xla", opt, dtype, table, slots, rows, grads, scalars, True)
+  specs = opt.slot_specs()
+  live = rows[rows >= 0]
+  logical = {k: np.asarray(specs[k].values(v, dim))[live] for k, v in slots.items()}
+  want_rows, want_slots = opt.update_rows(
+    jnp.asarray(table[live, :dim]), logical, jnp.asarray(grads[: live.size]), scalars
+  )
+  # To an ulp: XLA fuses the jitted path's arithmetic differently from the
+  # eager reference; math over 128 columns would be off by a quarter.
+  close = lambda a, b, msg="": np.testing.assert_allclose(a, b, rtol=1e-6, atol=0, err_msg=msg)
+  close(np.asarray(got_table)[live, :dim], np.asarray(want_rows))
+  np.testing.assert_array_equal(np.asarray(got_table)[:, dim:], 0)
+  for k in slots:
+    got = np.asarray(specs[k].values(got_slots[k], dim))[live]
+    close(got, np.asarray(want_slots[k]), k)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=OPT_IDS)
+def test_padded_kernels_equal_xla(opt, shape):
+  dtype, dim = shape
+  rng = np.random.default_rng(2)
+  table, slots = _state(opt, dtype, dim, rng)
+  rows = _ids(rng)
+  grads = rng.normal(size=(rows.size, dim)).astype(np.float32)
+  args = (table, slots, rows, grads, opt.scalars(jnp.int32(STEP)), True)
+  want = _update("xla", opt, dtype, *args)
+  got = _update("pallas", opt, dtype, *args)
+  np.testing.assert_array_equal(_bits(got[0]), _bits(want[0]), err_msg="table")
+  assert not np.array_equal(_bits(got[0]), _bits(table))
+  words = packing.row_words(dim, dtype)
+  np.testing.assert_array_equal(packing.table_rows(np.asarray(got[0]), dim, dtype)[:, words:], 0)
+  for k in slots:
+    np.testing.assert_array_equal(_bits(got[1][k]), _bits(want[1][k]), err_msg=f"slot {k}")
+  r = jnp.asarray(rows)
+  np.testing.assert_array_equal(
+    gather(
+      got[0], r, dtype=dtype, dim=dim, interpret=INTERPRET, chunk_rows=CHUNK, window_rows=WINDOW
+    ),
+    xla.gather(want[0], r, dtype=dtype, dim=dim),
+  )
+  assert kernels.uses_kernel("pallas", jnp.asarray(table), slots, opt)
+
+
+def test_host_state_reshards_and_round_trips_without_padding():
+  spec = pe.TableSpec("t", 64, 96, optimizer=pe.LazyAdam(), dtype=jnp.bfloat16)
+  rng = np.random.default_rng(6)
+  logical = rng.normal(size=(64, 96)).astype(np.float32)
+  m = rng.normal(size=(64, 96)).astype(np.float32)
+  a, b = RowLayout(64, 8), RowLayout(64, 4)
+  specs = spec.optimizer.slot_specs()
+  stored = packing.table_stored(
+    a.to_physical(packing.to_storage(logical, spec.dtype)), 96, spec.dtype
+  )
+  moved = state_lib.reshard_table(spec, a, b, stored)
+  got = packing.from_storage(
+    b.to_logical(packing.table_rows(moved, 96, spec.dtype)), spec.dtype, 96
+  )
+  np.testing.assert_array_equal(got, logical.astype(jnp.bfloat16))
+  slots = {
+    "m": specs["m"].as_stored(a.to_physical(m), 96),
+    "v": specs["v"].as_stored(a.to_physical(m), 96),
+  }
+  slots["count"] = np.zeros(specs["count"].shape_for(64, 96, 8), np.int32)
+  moved = state_lib.reshard_slots(spec, a, b, slots)
+  assert moved["m"].shape == (64, 128)
+  np.testing.assert_array_equal(b.to_logical(specs["m"].values(moved["m"], 96)), m)
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_a_sharded_step_on_a_padded_table(backend, mesh_kind):
+  # 8 shards of 128 rows of 96 floats (whole groups of the per-row scalar
+  # slot: the update kernel runs): the padding is invisible to the user
+  # (logical tables of 96 columns), and both backends agree.
+  table = pe.TableSpec("t", 1024, 96, optimizer=pe.RowWiseAdagrad(0.1))
+  feats = [pe.FeatureSpec("bag", "t", "sum")]
+  results = {}
+  for b in ("xla", backend):
+    emb = pe.ShardedEmbedding([table], feats, make_mesh(8, kind=mesh_kind), "x", b)
+    state = emb.init(jax.random.key(3))
+    assert state["t"].table.shape == (1024, 128)
+    before = emb.logical_table(state, "t")
+    rng = np.random.default_rng(0)
+    ids = {"bag": rng.integers(0, 1024, (16, 3)).astype(np.int32)}
+    acts, res = emb.lookup(state, ids)
+    assert acts["bag"].shape == (16, 96)
+    grads = {"bag": rng.normal(size=(16, 96)).astype(np.float32)}
+    state, metrics = emb.apply_gradients(state, res, grads)
+    assert bool(metrics["t"].applied)
+    results[b] = (emb.logical_table(state, "t"), emb.logical_slots(state, "t")["acc"])
+  logical, acc = results[backend]
+  assert logical.shape == (1024, 96) and acc.shape == (1024, 1)
+  np.testing.assert_array_equal(logical, results["xla"][0])
+  np.testing.assert_array_equal(acc, results["xla"][1])
+  moved = np.any(logical != before, axis=1)
+  np.testing.assert_array_equal(np.flatnonzero(moved), np.unique(ids["bag"]))
