@@ -72,6 +72,9 @@ def cases(quick: bool) -> list[Case]:
   out += [Case("bfloat16", d, "rowwise_adagrad") for d in (16, 32, 128)]
   out += [Case("bfloat16", 64, "rowwise_adagrad", True), Case("bfloat16", 128, "lazy_adam", True)]
   out += [Case("float32", 16, "optax_adam"), Case("bfloat16", 64, "optax_adam", True)]
+  # Widths stored padded (`pallas_emb.packing.padded_width`).
+  out += [Case("float32", 96, "rowwise_adagrad"), Case("bfloat16", 96, "lazy_adam")]
+  out += [Case("float32", 192, "lazy_adam"), Case("bfloat16", 192, "rowwise_adagrad")]
   return out
 
 
