@@ -57,6 +57,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_emb.errors import InputError
+
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
 # Slots move as 32-bit words, like rows.
 SLOT_DTYPES = (np.dtype(np.float32), np.dtype(np.int32))
@@ -74,7 +76,7 @@ def padded_width(width: int) -> int:
   divides 128 or is a multiple of 128, else the next width that does (the
   next power of two below 128, the next multiple of 128 above)."""
   if width <= 0:
-    raise ValueError(f"a row is at least 1 word wide, got width {width}")
+    raise InputError(f"a row is at least 1 word wide, got width {width}; give the table dim >= 1.")
   if LANES % width == 0 or width % LANES == 0:
     return width
   if width < LANES:
@@ -95,7 +97,9 @@ def padded(rows, width: int):
   if extra == 0:
     return rows
   if extra < 0:
-    raise ValueError(f"rows {rows.shape[-1]} words wide do not fit in {width}")
+    raise InputError(
+      f"rows {rows.shape[-1]} words wide do not fit in {width}; pass rows of at most {width} words."
+    )
   xp = np if isinstance(rows, np.ndarray) else jnp
   pad = xp.zeros(rows.shape[:-1] + (extra,), rows.dtype)
   return xp.concatenate([rows, pad], axis=-1)

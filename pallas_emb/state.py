@@ -217,3 +217,49 @@ def reshard_slots(spec: TableSpec, old: RowLayout, new: RowLayout, slots) -> dic
     )
     for k, v in slots.items()
   }
+
+
+def pads(spec: TableSpec) -> bool:
+  """Whether the table or a slot of `spec` is stored padded
+  (`packing.padded_width`): stored unpadded before that existed."""
+  widths = [packing.row_words(spec.dim, spec.dtype)] + [
+    s.width_for(spec.dim) for s in spec.optimizer.slot_specs().values()
+  ]
+  return any(packing.padded_width(w) != w for w in widths)
+
+
+def unpadded_shapes(spec: TableSpec, layout: RowLayout) -> tuple[tuple, dict[str, tuple]]:
+  """The stored shapes of a table and its slots as written before padded
+  storage: a width that pads was stored as it is, (rows, width), never
+  packed; other arrays as today."""
+  rows = layout.num_physical_rows
+
+  def shape(width: int, now: tuple) -> tuple:
+    return (rows, width) if packing.padded_width(width) != width else now
+
+  table = shape(
+    packing.row_words(spec.dim, spec.dtype),
+    packing.table_shape(rows, spec.dim, spec.dtype, layout.rows_per_shard),
+  )
+  specs = spec.optimizer.slot_specs()
+  slots = {
+    k: shape(s.width_for(spec.dim), s.shape_for(rows, spec.dim, layout.rows_per_shard))
+    for k, s in specs.items()
+  }
+  return table, slots
+
+
+def pad_unpadded(spec: TableSpec, layout: RowLayout, table, slots) -> tuple[np.ndarray, dict]:
+  """Host arrays of `unpadded_shapes` -> stored as today for `layout`
+  (only the arrays whose width pads change)."""
+  specs = spec.optimizer.slot_specs()
+  rps = layout.rows_per_shard
+  pads_ = lambda w: packing.padded_width(w) != w
+  if pads_(packing.row_words(spec.dim, spec.dtype)):
+    table = packing.table_stored(np.asarray(table), spec.dim, spec.dtype, rps)
+  return table, {
+    k: specs[k].as_stored(np.asarray(v), spec.dim, rps)
+    if pads_(specs[k].width_for(spec.dim))
+    else v
+    for k, v in slots.items()
+  }

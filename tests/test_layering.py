@@ -41,7 +41,7 @@ SPARSE = (
 ALLOWED = {
   "sharding": (),
   "pallas_emb.errors": ("pallas_emb", "pallas_emb.errors"),
-  "pallas_emb.packing": ("pallas_emb", "pallas_emb.packing"),
+  "pallas_emb.packing": ("pallas_emb", "pallas_emb.errors", "pallas_emb.packing"),
   "pallas_emb.inputs": INPUTS,
   "pallas_emb.ids": INPUTS + ("pallas_emb.ids",),
   "pallas_emb.hashing": ("pallas_emb", "pallas_emb.errors", "pallas_emb.hashing"),

@@ -5,6 +5,10 @@ the padded width), the Pallas kernels in TPU interpret mode bit for bit
 against the XLA path, pad words that stay zero, and host copies,
 checkpoint-style resharding and a sharded step that never show the padding."""
 
+import os
+import shutil
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,7 +45,7 @@ def test_padded_widths_and_their_waste():
   assert {w: packing.padded_width(w) for w in want} == want
   assert packing.padding_waste(96) == packing.padding_waste(192) == 0.25
   assert packing.padding_waste(64) == packing.padding_waste(256) == 0.0
-  with pytest.raises(ValueError, match="at least 1 word"):
+  with pytest.raises(pe.InputError, match="at least 1 word"):
     packing.padded_width(0)
 
 
@@ -216,3 +220,63 @@ def test_a_sharded_step_on_a_padded_table(backend, mesh_kind):
   np.testing.assert_array_equal(acc, results["xla"][1])
   moved = np.any(logical != before, axis=1)
   np.testing.assert_array_equal(np.flatnonzero(moved), np.unique(ids["bag"]))
+
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+
+
+def _fixture(tmp_path, kind):
+  """A copy of a checkpoint written before padded storage
+  (`data/make_unpadded_checkpoint.py`) and what its tables held."""
+  src = os.path.join(DATA, "unpadded_checkpoint", kind)
+  shutil.copytree(src, tmp_path / kind)
+  return str(tmp_path / kind), np.load(os.path.join(src, "expected.npz"))
+
+
+def _assert_tables(emb, tables, expected, names):
+  for name in names:
+    np.testing.assert_array_equal(
+      emb.logical_table(tables, name).astype(np.float32), expected[f"{name}/table"], name
+    )
+    for k, v in emb.logical_slots(tables, name).items():
+      np.testing.assert_array_equal(v, expected[f"{name}/{k}"], f"{name}/{k}")
+
+
+def test_a_trainer_checkpoint_from_before_padding_restores(tmp_path):
+  sys.path.insert(0, DATA)
+  import make_unpadded_checkpoint as fixture  # noqa: PLC0415
+
+  from pallas_emb.train.checkpoint import Checkpointer  # noqa: PLC0415
+
+  path, expected = _fixture(tmp_path, "trainer")
+  tr, params = fixture.trainer(make_mesh(1))
+  template = tr.init(params, tr.emb.init(jax.random.key(0)), {"ids": fixture.batch(0)})
+  state = Checkpointer(path, tr).restore(template, lambda i: {"ids": fixture.batch(i)})
+  assert state.tables["wide"].table.shape == (64, 128)  # 96 floats padded
+  _assert_tables(tr.emb, state.tables, expected, ("wide", "half"))
+  # It trains on, and its next checkpoint is written padded.
+  state, _ = tr.step(state, {"ids": fixture.batch(2)}, {"ids": fixture.batch(3)})
+  assert Checkpointer(path, tr).save(state, {"w": (8, 3), "h": (8, 2)}) == 3
+  assert Checkpointer(path, tr).metadata(3)["padded_rows"]
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_vocab_checkpoint_from_before_padding_restores(tmp_path, devices):
+  sys.path.insert(0, DATA)
+  import make_unpadded_checkpoint as fixture  # noqa: PLC0415
+
+  from pallas_emb.train.checkpoint_vocab import VocabCheckpointer  # noqa: PLC0415
+
+  path, expected = _fixture(tmp_path, "vocab")
+  emb = fixture.vocab_emb(make_mesh(devices))
+  tables, vocabs, _ = VocabCheckpointer(path, emb).restore(
+    emb.init(jax.random.key(0)), emb.init_vocabularies(jax.random.key(1))
+  )
+  assert tables["dyn"].table.shape == (64, 128)
+  np.testing.assert_array_equal(
+    np.sort(emb.resident_ids(vocabs, "dyn")), np.sort(expected["dyn/resident"])
+  )
+  if devices == 1:  # onto 2 shards the dynamic rows move with their ids
+    _assert_tables(emb, tables, expected, ("dyn", "half"))
+  else:
+    _assert_tables(emb, tables, expected, ("half",))

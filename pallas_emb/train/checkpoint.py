@@ -12,6 +12,9 @@ gradient of the async pipeline and the started lookup of the next batch
   checkpoint restores with stacking on or off and under any grouping; rows
   narrower than 128 lanes are saved packed as that layout's shards pack
   them (`pallas_emb.packing`) and repacked for the new layout on restore;
+  rows of widths that pad are saved padded, and a checkpoint written
+  before padded storage (no "padded_rows" in its metadata) is padded as
+  it is restored;
 * the pending update and the lookup's embeddings are saved per logical
   table and feature, in batch order; routing plans are not saved.
 
@@ -158,6 +161,9 @@ class Checkpointer:
       # The pending update's token ids are saved (it can be applied at
       # restore); earlier checkpoints lack them.
       "pending_ids": True,
+      # Rows of widths that pad are stored padded (`packing.padded_width`);
+      # earlier checkpoints hold them unpadded.
+      "padded_rows": True,
       "extra": dict(extra or {}),
     }
     self.dir.write(step, item, meta)
@@ -250,10 +256,17 @@ class Checkpointer:
     )
 
   def _old_layout(self, name: str, meta: dict) -> RowLayout | None:
-    """The saved layout of table `name`, or None if it is this trainer's."""
+    """The saved layout of table `name`, or None if it is this trainer's
+    and stored as today."""
     info = meta["tables"][name]
     old = RowLayout(info["num_rows"], meta["num_shards"], info["layout"])
+    if self._unpadded(name, meta):
+      return old
     return None if old == self.trainer.emb.logical_layout(name) else old
+
+  def _unpadded(self, name: str, meta: dict) -> bool:
+    """Whether table `name` was saved before padded storage, unpadded."""
+    return not meta.get("padded_rows") and state_lib.pads(self.trainer.emb.logical_spec(name))
 
   def _target(self, template: TrainState, meta: dict, as_saved: bool, step: int) -> dict:
     """What orbax restores into: this mesh's shardings where the layout is
@@ -268,6 +281,14 @@ class Checkpointer:
         continue
       spec = tr.emb.logical_spec(name)
       specs = spec.optimizer.slot_specs()
+      if self._unpadded(name, meta):
+        shape, slot_shapes = state_lib.unpadded_shapes(spec, old)
+        tables[name] = {
+          "table": np.zeros(shape, ts.table.dtype),
+          "slots": {k: np.zeros(slot_shapes[k], v.dtype) for k, v in ts.slots.items()},
+          "step": np.zeros((), np.int32),
+        }
+        continue
       tables[name] = {
         "table": np.zeros(
           packing.table_shape(old.num_physical_rows, spec.dim, spec.dtype, old.rows_per_shard),
@@ -306,9 +327,12 @@ class Checkpointer:
     emb = self.trainer.emb
     new = emb.logical_layout(name)
     spec = emb.logical_spec(name)
-    slots = state_lib.reshard_slots(spec, old, new, d["slots"])
+    table, slots = d["table"], d["slots"]
+    if self._unpadded(name, meta):
+      table, slots = state_lib.pad_unpadded(spec, old, table, slots)
+    slots = state_lib.reshard_slots(spec, old, new, slots)
     return TableState(
-      jax.device_put(state_lib.reshard_table(spec, old, new, d["table"]), emb.sharding()),
+      jax.device_put(state_lib.reshard_table(spec, old, new, table), emb.sharding()),
       {k: jax.device_put(v, emb.sharding()) for k, v in slots.items()},
       jax.device_put(jnp.asarray(d["step"], jnp.int32), emb.sharding(rows=False)),
     )

@@ -15,7 +15,9 @@ with it, on the host. Its count and last step are kept; the sketch of ids
 not yet admitted starts empty; an id that finds no free slot in its new
 window is dropped, and counted in `VocabCheckpointer.resharded`. Resharded,
 a run goes on from the same resident ids and rows, not bit for bit: new rows
-are drawn from their new row numbers.
+are drawn from their new row numbers. A checkpoint written before padded
+storage (`pallas_emb.packing.padded_width`) holds rows of widths that pad
+unpadded; they are padded as they are restored.
 """
 
 from __future__ import annotations
@@ -93,7 +95,10 @@ class VocabCheckpointer:
     """Writes `tables` and `vocabs` as checkpoint `step` (blocking until
     durable); `extra`: JSON-serialisable metadata (e.g. the data position)."""
     self.emb.check_on_mesh((tables, vocabs), "the tables or vocabularies")
-    self.dir.write(step, _item(tables, vocabs), {**self._meta(), "extra": dict(extra or {})})
+    # "padded_rows": rows of widths that pad are stored padded
+    # (`packing.padded_width`); earlier checkpoints hold them unpadded.
+    meta = {**self._meta(), "padded_rows": True, "extra": dict(extra or {})}
+    self.dir.write(step, _item(tables, vocabs), meta)
     return step
 
   def restore(self, tables, vocabs, step: int | None = None):
@@ -134,11 +139,16 @@ class VocabCheckpointer:
             f"{meta['num_shards']} shards, or save with stacking off."
           )
         target = self._saved_shapes(target, meta["num_shards"])
+      unpadded = self._unpadded(meta)
+      for name in unpadded:
+        target["tables"][name] = self._unpadded_target(name, target, meta["num_shards"])
       item = self.dir.read_state(step, target, meta)
     except StepUnreadable as e:
       raise CheckpointCorruptError(
         f"checkpoint step {step} in {self.dir.path!r} is not intact: {e}."
       ) from None
+    for name in unpadded:
+      item["tables"][name] = self._pad(name, item["tables"][name], meta["num_shards"])
     if meta["num_shards"] != want["num_shards"]:
       item = self._reshard(item, meta["num_shards"])
     return (
@@ -146,6 +156,32 @@ class VocabCheckpointer:
       {k: VocabState(IdMap(**d["map"]), d["key"]) for k, d in item["vocabs"].items()},
       meta["extra"],
     )
+
+  def _unpadded(self, meta: dict) -> list[str]:
+    """The physical tables saved before padded storage, unpadded."""
+    if meta.get("padded_rows"):
+      return []
+    return [g.name for g in self.emb.groups if state_lib.pads(self.emb.table_spec(g.name))]
+
+  def _unpadded_target(self, name: str, target: dict, saved_shards: int) -> dict:
+    """Host arrays of table `name` shaped as written unpadded."""
+    old, _ = self._layouts(name, saved_shards)
+    shape, slot_shapes = state_lib.unpadded_shapes(self.emb.table_spec(name), old)
+    d = target["tables"][name]
+    return {
+      "table": np.zeros(shape, d["table"].dtype),
+      "slots": {k: np.zeros(slot_shapes[k], v.dtype) for k, v in d["slots"].items()},
+      "step": np.zeros((), np.int32),
+    }
+
+  def _pad(self, name: str, d: dict, saved_shards: int) -> dict:
+    """Table `name` read unpadded -> stored as today (host arrays, to be
+    resharded, when the shard count changed; else placed on this mesh)."""
+    old, new = self._layouts(name, saved_shards)
+    table, slots = state_lib.pad_unpadded(self.emb.table_spec(name), old, d["table"], d["slots"])
+    if old.num_shards != new.num_shards:
+      return {"table": table, "slots": slots, "step": d["step"]}
+    return self._place(name, table, slots, d["step"])
 
   def _layouts(self, name: str, saved_shards: int) -> tuple[RowLayout, RowLayout]:
     """Physical table `name`'s layouts as written and now (a replicated
