@@ -168,6 +168,26 @@ def test_padded_kernels_equal_xla(opt, shape):
   assert kernels.uses_kernel("pallas", jnp.asarray(table), slots, opt)
 
 
+def test_stochastic_rounding_of_padded_bf16_rows_equals_xla():
+  # The noise is keyed by (row, column) of the logical row: padding must
+  # not shift it.
+  opt, dtype, dim = pe.RowWiseAdagrad(0.1), jnp.bfloat16, 96
+  rng = np.random.default_rng(3)
+  table, slots = _state(opt, dtype, dim, rng)
+  rows = _ids(rng)
+  grads = rng.normal(size=(rows.size, dim)).astype(np.float32)
+  key = packing.rounding_key(5, jnp.int32(STEP))
+  args = (table, slots, rows, grads, opt.scalars(jnp.int32(STEP)), True)
+  kw = dict(optimizer=opt, dtype=dtype, rounding_key=key)
+  want = jax.jit(lambda *a: xla.fused_update(*a, **kw))(*args)
+  got = jax.jit(
+    lambda *a: fused_update(*a, **kw, interpret=INTERPRET, chunk_rows=CHUNK, window_rows=WINDOW)
+  )(*args)
+  np.testing.assert_array_equal(_bits(got[0]), _bits(want[0]))
+  nearest = jax.jit(lambda *a: xla.fused_update(*a, optimizer=opt, dtype=dtype))(*args)
+  assert not np.array_equal(_bits(want[0]), _bits(nearest[0]))
+
+
 def test_host_state_reshards_and_round_trips_without_padding():
   spec = pe.TableSpec("t", 64, 96, optimizer=pe.LazyAdam(), dtype=jnp.bfloat16)
   rng = np.random.default_rng(6)
