@@ -152,11 +152,12 @@ def lookup_shard(t: ShardedTable, table: jax.Array, blocks: Sequence):
   )
   rows = from_owners(
     plan,
-    slot_rows,
+    packing.padded(slot_rows, t.route_dim),
     axis_name=t.axis,
     take=lambda x, idx: kernels.gather(x, idx, dtype=jnp.float32, backend=t.backend, in_hbm=False),
   )
   outs, weights = pool_all(t, blocks, rows, plan.token_slot >= 0)
+  outs = tuple(packing.unpadded(x, t.spec.dim) for x in outs)
   return outs, make_residuals(unique, plan, weights, counts)
 
 
@@ -233,6 +234,7 @@ def update_shard(
     (its metrics are (M,)) and `step` is (M,): each member's advances when
     it is applied.
   """
+  token_grads = packing.padded(token_grads, t.route_dim)
   if t.members is not None:
     update = _update_stack
   elif (
@@ -262,7 +264,7 @@ def fused_update(t: ShardedTable, table, slots, step, rows, grads, write):
     table,
     slots,
     rows,
-    grads,
+    packing.unpadded(grads, spec.dim),  # routed `route_dim` wide
     opt.scalars(step),
     write,
     optimizer=opt,

@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 
 from pallas_emb.capacity import Capacities
 from pallas_emb.kernels.backend import platform_of
+from pallas_emb.packing import LANES
 from pallas_emb.spec import FeatureSpec, TableSpec
 from pallas_emb.stacking.members import Members
 from sharding.layout import RowLayout
@@ -62,3 +63,15 @@ class ShardedTable:
     """How dedup finds each id's slot: binary search on CPU, where it is
     fastest; a sort that carries positions elsewhere (see `sharding.dedup`)."""
     return "search" if platform_of(self.mesh.devices.flat) == "cpu" else "sort"
+
+  @property
+  def route_dim(self) -> int:
+    """The width of the float32 rows and gradients routed between shards:
+    on a TPU mesh a width over 128 lanes that is not a multiple of 128 is
+    padded to one (192 -> 256), else XLA keeps the all-to-all's blocks in
+    another layout than its neighbours' and copies them on each side
+    (W-TPU at D=192: 321 MiB of temp, 111 MiB padded); the dim elsewhere."""
+    d = self.spec.dim
+    if d > LANES and d % LANES and platform_of(self.mesh.devices.flat) == "tpu":
+      return -(-d // LANES) * LANES
+    return d

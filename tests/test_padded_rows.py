@@ -242,6 +242,38 @@ def test_a_sharded_step_on_a_padded_table(backend, mesh_kind):
   np.testing.assert_array_equal(np.flatnonzero(moved), np.unique(ids["bag"]))
 
 
+def test_rows_routed_padded_give_the_unpadded_step(monkeypatch):
+  # On a TPU mesh a 192-wide table routes its rows and gradients 256 wide
+  # (`ShardedTable.route_dim`); forced here on CPU, the lookup and the
+  # update are those of the unpadded route, bit for bit.
+  from pallas_emb.sharded_table import ShardedTable  # noqa: PLC0415
+
+  spec = pe.TableSpec("t", 64, 192, optimizer=pe.LazyAdam(0.05))
+  feats = [pe.FeatureSpec("bag", "t", "mean"), pe.FeatureSpec("seq", "t", None)]
+  rng = np.random.default_rng(0)
+  ids = {"bag": rng.integers(-1, 64, (16, 3)), "seq": rng.integers(0, 64, (16, 2))}
+  ids = {k: v.astype(np.int32) for k, v in ids.items()}
+  grads = {"bag": rng.normal(size=(16, 192)), "seq": rng.normal(size=(16, 2, 192))}
+  grads = {k: v.astype(np.float32) for k, v in grads.items()}
+
+  def run():
+    emb = pe.ShardedEmbedding([spec], feats, make_mesh(4), "x", "xla")
+    state = emb.init(jax.random.key(0))
+    acts, res = emb.lookup(state, ids)
+    state, _ = emb.apply_gradients(state, res, grads)
+    return {k: np.asarray(v) for k, v in acts.items()}, emb.logical_table(state, "t")
+
+  want = run()
+  monkeypatch.setattr(ShardedTable, "route_dim", property(lambda t: 256))
+  jax.clear_caches()  # the programs are cached by their (equal) ShardedTable
+  got = run()
+  jax.clear_caches()
+  for k in ids:
+    assert got[0][k].shape[-1] == 192
+    np.testing.assert_array_equal(got[0][k], want[0][k], k)
+  np.testing.assert_array_equal(got[1], want[1])
+
+
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
 
