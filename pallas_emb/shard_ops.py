@@ -152,12 +152,12 @@ def lookup_shard(t: ShardedTable, table: jax.Array, blocks: Sequence):
   )
   rows = from_owners(
     plan,
-    packing.padded(slot_rows, t.route_dim),
+    packing.padded(slot_rows, t.route_width(t.spec.dim)),
     axis_name=t.axis,
     take=lambda x, idx: kernels.gather(x, idx, dtype=jnp.float32, backend=t.backend, in_hbm=False),
   )
+  rows = packing.unpadded(rows, t.spec.dim)
   outs, weights = pool_all(t, blocks, rows, plan.token_slot >= 0)
-  outs = tuple(packing.unpadded(x, t.spec.dim) for x in outs)
   return outs, make_residuals(unique, plan, weights, counts)
 
 
@@ -234,7 +234,7 @@ def update_shard(
     (its metrics are (M,)) and `step` is (M,): each member's advances when
     it is applied.
   """
-  token_grads = packing.padded(token_grads, t.route_dim)
+  token_grads = packing.padded(token_grads, t.route_width(t.spec.dim))
   if t.members is not None:
     update = _update_stack
   elif (
@@ -264,7 +264,7 @@ def fused_update(t: ShardedTable, table, slots, step, rows, grads, write):
     table,
     slots,
     rows,
-    packing.unpadded(grads, spec.dim),  # routed `route_dim` wide
+    packing.unpadded(grads, spec.dim),  # routed `route_width` wide
     opt.scalars(step),
     write,
     optimizer=opt,

@@ -64,14 +64,13 @@ class ShardedTable:
     fastest; a sort that carries positions elsewhere (see `sharding.dedup`)."""
     return "search" if platform_of(self.mesh.devices.flat) == "cpu" else "sort"
 
-  @property
-  def route_dim(self) -> int:
-    """The width of the float32 rows and gradients routed between shards:
-    on a TPU mesh a width over 128 lanes that is not a multiple of 128 is
-    padded to one (192 -> 256), else XLA keeps the all-to-all's blocks in
-    another layout than its neighbours' and copies them on each side
-    (W-TPU at D=192: 321 MiB of temp, 111 MiB padded); the dim elsewhere."""
-    d = self.spec.dim
-    if d > LANES and d % LANES and platform_of(self.mesh.devices.flat) == "tpu":
-      return -(-d // LANES) * LANES
-    return d
+  def route_width(self, width: int) -> int:
+    """The width at which rows `width` words wide are routed between
+    shards: on a TPU mesh a width over 128 lanes that is not a multiple of
+    128 is padded to one (192 -> 256), else XLA keeps the all-to-all's
+    blocks in another layout than its neighbours' and copies them on each
+    side (W-TPU at D=192: 321 MiB of temp, 194 MiB padded); `width`
+    elsewhere."""
+    if width > LANES and width % LANES and platform_of(self.mesh.devices.flat) == "tpu":
+      return -(-width // LANES) * LANES
+    return width
