@@ -228,10 +228,11 @@ def pads(spec: TableSpec) -> bool:
   return any(packing.padded_width(w) != w for w in widths)
 
 
-def unpadded_shapes(spec: TableSpec, layout: RowLayout) -> tuple[tuple, dict[str, tuple]]:
-  """The stored shapes of a table and its slots as written before padded
-  storage: a width that pads was stored as it is, (rows, width), never
-  packed; other arrays as today."""
+def unpadded_state(spec: TableSpec, layout: RowLayout) -> dict:
+  """Zero host arrays shaped as a table, its slots and step were written
+  before padded storage (what a checkpoint of then is read into): a width
+  that pads was stored as it is, (rows, width), never packed; other arrays
+  as today."""
   rows = layout.num_physical_rows
 
   def shape(width: int, now: tuple) -> tuple:
@@ -241,16 +242,21 @@ def unpadded_shapes(spec: TableSpec, layout: RowLayout) -> tuple[tuple, dict[str
     packing.row_words(spec.dim, spec.dtype),
     packing.table_shape(rows, spec.dim, spec.dtype, layout.rows_per_shard),
   )
-  specs = spec.optimizer.slot_specs()
   slots = {
-    k: shape(s.width_for(spec.dim), s.shape_for(rows, spec.dim, layout.rows_per_shard))
-    for k, s in specs.items()
+    k: np.zeros(
+      shape(s.width_for(spec.dim), s.shape_for(rows, spec.dim, layout.rows_per_shard)), s.dtype
+    )
+    for k, s in spec.optimizer.slot_specs().items()
   }
-  return table, slots
+  return {
+    "table": np.zeros(table, packing.storage_dtype(spec.dtype)),
+    "slots": slots,
+    "step": np.zeros((), np.int32),
+  }
 
 
 def pad_unpadded(spec: TableSpec, layout: RowLayout, table, slots) -> tuple[np.ndarray, dict]:
-  """Host arrays of `unpadded_shapes` -> stored as today for `layout`
+  """Host arrays of `unpadded_state` -> stored as today for `layout`
   (only the arrays whose width pads change)."""
   specs = spec.optimizer.slot_specs()
   rps = layout.rows_per_shard

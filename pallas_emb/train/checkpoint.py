@@ -282,12 +282,7 @@ class Checkpointer:
       spec = tr.emb.logical_spec(name)
       specs = spec.optimizer.slot_specs()
       if self._unpadded(name, meta):
-        shape, slot_shapes = state_lib.unpadded_shapes(spec, old)
-        tables[name] = {
-          "table": np.zeros(shape, ts.table.dtype),
-          "slots": {k: np.zeros(slot_shapes[k], v.dtype) for k, v in ts.slots.items()},
-          "step": np.zeros((), np.int32),
-        }
+        tables[name] = state_lib.unpadded_state(spec, old)
         continue
       tables[name] = {
         "table": np.zeros(

@@ -141,7 +141,8 @@ class VocabCheckpointer:
         target = self._saved_shapes(target, meta["num_shards"])
       unpadded = self._unpadded(meta)
       for name in unpadded:
-        target["tables"][name] = self._unpadded_target(name, target, meta["num_shards"])
+        old, _ = self._layouts(name, meta["num_shards"])
+        target["tables"][name] = state_lib.unpadded_state(self.emb.table_spec(name), old)
       item = self.dir.read_state(step, target, meta)
     except StepUnreadable as e:
       raise CheckpointCorruptError(
@@ -162,17 +163,6 @@ class VocabCheckpointer:
     if meta.get("padded_rows"):
       return []
     return [g.name for g in self.emb.groups if state_lib.pads(self.emb.table_spec(g.name))]
-
-  def _unpadded_target(self, name: str, target: dict, saved_shards: int) -> dict:
-    """Host arrays of table `name` shaped as written unpadded."""
-    old, _ = self._layouts(name, saved_shards)
-    shape, slot_shapes = state_lib.unpadded_shapes(self.emb.table_spec(name), old)
-    d = target["tables"][name]
-    return {
-      "table": np.zeros(shape, d["table"].dtype),
-      "slots": {k: np.zeros(slot_shapes[k], v.dtype) for k, v in d["slots"].items()},
-      "step": np.zeros((), np.int32),
-    }
 
   def _pad(self, name: str, d: dict, saved_shards: int) -> dict:
     """Table `name` read unpadded -> stored as today (host arrays, to be
