@@ -10,7 +10,18 @@ import numpy as np
 import pytest
 import tpu_lowering
 from interpret_races import RACES, races_found
-from jax.experimental.pallas import tpu as pltpu
+from kernel_cases import (
+  CHUNK,
+  INTERPRET,
+  NUM_ROWS,
+  STEP,
+  WINDOW,
+  assert_same,
+  bits,
+  dense_ids,
+  random_state,
+  run_update,
+)
 
 import pallas_emb as pe
 from pallas_emb import kernels, packing
@@ -19,8 +30,6 @@ from pallas_emb.kernels import xla
 from pallas_emb.kernels.pallas_gather import gather
 from pallas_emb.kernels.pallas_update import fused_update
 from sharding.layout import RowLayout
-
-INTERPRET = pltpu.InterpretParams()
 
 # Every optimizer that runs in the kernels.
 OPTIMIZERS = [
@@ -31,53 +40,9 @@ OPTIMIZERS = [
   pe.FTRL(0.1, learning_rate_power=-0.6, l1=0.5, l2=0.02, beta=0.1),
 ]
 OPT_IDS = [type(o).__name__ for o in OPTIMIZERS]
-NUM_ROWS, CHUNK, WINDOW, STEP = 256, 16, 32, 7
 
 # The quick loop's subset (conftest): D=16 on LazyAdam, the most DMAs per row.
 QUICK = {"test_packed_kernels_equal_xla_d16": lambda p: isinstance(p["opt"], pe.LazyAdam)}
-
-
-def _state(opt, dtype, dim, rng, num_rows=NUM_ROWS):
-  """A packed stored table and random packed slots (NumPy)."""
-  rows = packing.to_storage(rng.normal(size=(num_rows, dim)), dtype)
-  table = packing.table_stored(rows, dim, dtype)
-  slots = {}
-  for name, s in opt.slot_specs().items():
-    shape = s.shape_for(num_rows, dim)
-    if np.dtype(s.dtype) == np.int32:
-      slots[name] = rng.integers(0, STEP, shape).astype(np.int32)
-    else:
-      slots[name] = rng.uniform(0.05, 2.0, shape).astype(np.float32)
-  return table, slots
-
-
-def _dense_rows(rng):
-  """48 ascending distinct ids among the first 96 rows, then 5 padding ids:
-  runs of ids in one physical row inside chunks, across chunk boundaries
-  and across kernel calls (windows of 32 ids)."""
-  rows = np.sort(rng.choice(96, 48, replace=False)).astype(np.int32)
-  return np.concatenate([rows, np.full(5, -1, np.int32)])
-
-
-def _bits(x):
-  x = np.asarray(x)
-  return x.view(np.dtype(f"u{x.dtype.itemsize}"))
-
-
-def _assert_same(got, want, msg=""):
-  got, want = np.asarray(got), np.asarray(want)
-  assert got.shape == want.shape and got.dtype == want.dtype, msg
-  np.testing.assert_array_equal(_bits(got), _bits(want), err_msg=msg)
-
-
-def _update(impl, opt, dtype, *args):
-  if impl == "xla":
-    fn = lambda *a: xla.fused_update(*a, optimizer=opt, dtype=dtype)
-  else:
-    fn = lambda *a: fused_update(
-      *a, optimizer=opt, dtype=dtype, interpret=INTERPRET, chunk_rows=CHUNK, window_rows=WINDOW
-    )
-  return jax.jit(fn)(*args)
 
 
 def test_stored_shapes_pack_widths_that_divide_128():
@@ -116,37 +81,37 @@ def test_take_and_put_rows_of_packed_arrays_touch_only_their_sub_rows():
 def test_xla_path_on_packed_state_equals_the_logical_update(opt):
   rng = np.random.default_rng(1)
   dim, dtype = 16, jnp.float32
-  table, slots = _state(opt, dtype, dim, rng)
-  rows = _dense_rows(rng)
+  table, slots = random_state(opt, dtype, dim, rng)
+  rows = dense_ids(rng)
   grads = rng.normal(size=(rows.size, dim)).astype(np.float32)
   scalars = opt.scalars(jnp.int32(STEP))
-  packed = _update("xla", opt, dtype, table, slots, rows, grads, scalars, True)
+  packed = run_update("xla", opt, dtype, table, slots, rows, grads, scalars, True)
   specs = opt.slot_specs()
   unpacked_slots = {
     k: v if specs[k].width == 1 else v.reshape(NUM_ROWS, -1) for k, v in slots.items()
   }
-  plain = _update(
+  plain = run_update(
     "xla", opt, dtype, table.reshape(NUM_ROWS, -1), unpacked_slots, rows, grads, scalars, True
   )
-  _assert_same(np.asarray(packed[0]).reshape(NUM_ROWS, -1), plain[0], "table")
+  assert_same(np.asarray(packed[0]).reshape(NUM_ROWS, -1), plain[0], "table")
   for k in slots:
-    _assert_same(np.asarray(packed[1][k]).reshape(plain[1][k].shape), plain[1][k], k)
+    assert_same(np.asarray(packed[1][k]).reshape(plain[1][k].shape), plain[1][k], k)
 
 
 def _kernel_case(opt, dtype, dim, seed=2):
   rng = np.random.default_rng(seed)
-  table, slots = _state(opt, dtype, dim, rng)
-  rows = _dense_rows(rng)
+  table, slots = random_state(opt, dtype, dim, rng)
+  rows = dense_ids(rng)
   grads = rng.normal(size=(rows.size, dim)).astype(np.float32)
   args = (table, slots, rows, grads, opt.scalars(jnp.int32(STEP)), True)
-  want = _update("xla", opt, dtype, *args)
-  got = _update("pallas", opt, dtype, *args)
-  _assert_same(got[0], want[0], "table")
-  assert not np.array_equal(_bits(got[0]), _bits(table))
+  want = run_update("xla", opt, dtype, *args)
+  got = run_update("pallas", opt, dtype, *args)
+  assert_same(got[0], want[0], "table")
+  assert not np.array_equal(bits(got[0]), bits(table))
   for k in slots:
-    _assert_same(got[1][k], want[1][k], f"slot {k}")
+    assert_same(got[1][k], want[1][k], f"slot {k}")
   r = jnp.asarray(rows)
-  _assert_same(
+  assert_same(
     gather(
       got[0], r, dtype=dtype, dim=dim, interpret=INTERPRET, chunk_rows=CHUNK, window_rows=WINDOW
     ),
@@ -186,7 +151,7 @@ def test_race_detector_finds_no_race_in_runs_of_a_physical_row():
   # chunk's reads.
   opt = pe.LazyAdam(0.05)
   rng = np.random.default_rng(4)
-  table, slots = _state(opt, jnp.float32, 16, rng, num_rows=128)
+  table, slots = random_state(opt, jnp.float32, 16, rng, num_rows=128)
   # 32 consecutive ids from 36: 8 to a physical row, runs that cross each
   # boundary of the 4 chunks of 8.
   rows = np.arange(36, 68, dtype=np.int32)
@@ -210,7 +175,7 @@ def test_race_detector_finds_no_race_in_runs_of_a_physical_row():
 
 def test_uses_kernel_on_tpu_for_packed_state_only():
   opt = pe.LazyAdam()
-  table, slots = _state(opt, jnp.float32, 16, np.random.default_rng(5))
+  table, slots = random_state(opt, jnp.float32, 16, np.random.default_rng(5))
   assert kernels.uses_kernel("pallas", table, slots, opt)
   assert kernels.uses_kernel("pallas", table)
   plain = {k: v.reshape(NUM_ROWS, -1) if k != "count" else v for k, v in slots.items()}
@@ -259,7 +224,7 @@ def test_host_state_moves_between_layouts_that_pack_differently():
   moved = state_lib.reshard_table(spec, plain, packed, stored)
   assert moved.shape == (4, 128)
   back = state_lib.reshard_table(spec, packed, plain, moved)
-  _assert_same(back, stored)
+  assert_same(back, stored)
   np.testing.assert_array_equal(
     packed.to_logical(packing.table_rows(moved, 8, jnp.float32)), logical
   )

@@ -14,7 +14,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_mesh
-from jax.experimental.pallas import tpu as pltpu
+from kernel_cases import (
+  CHUNK,
+  INTERPRET,
+  STEP,
+  WINDOW,
+  bits,
+  dense_ids,
+  random_state,
+  run_update,
+)
 
 import pallas_emb as pe
 from pallas_emb import kernels, packing
@@ -24,8 +33,6 @@ from pallas_emb.kernels.pallas_gather import gather
 from pallas_emb.kernels.pallas_update import fused_update
 from sharding.layout import RowLayout
 
-INTERPRET = pltpu.InterpretParams()
-NUM_ROWS, CHUNK, WINDOW, STEP = 256, 16, 32, 7
 OPTIMIZERS = [
   pe.RowWiseAdagrad(0.1, half_life_steps=3, lazy_decay=True, weight_decay=0.01),
   pe.LazyAdam(0.05),
@@ -76,55 +83,17 @@ def test_host_conversions_drop_and_restore_the_padding(dtype, dim):
   np.testing.assert_array_equal(m.values(slot, dim), x)
 
 
-def _state(opt, dtype, dim, rng):
-  """A padded stored table and random slots (NumPy)."""
-  table = packing.table_stored(
-    packing.to_storage(rng.normal(size=(NUM_ROWS, dim)), dtype), dim, dtype
-  )
-  slots = {}
-  for name, s in opt.slot_specs().items():
-    shape = s.shape_for(NUM_ROWS, dim)
-    if np.dtype(s.dtype) == np.int32:
-      slots[name] = rng.integers(0, STEP, shape).astype(np.int32)
-    else:  # accumulators and second moments are positive
-      values = rng.uniform(0.05, 2.0, (NUM_ROWS, s.width_for(dim))).astype(np.float32)
-      slots[name] = s.as_stored(values, dim) if s.width != 1 else values.reshape(shape)
-  return table, slots
-
-
-def _ids(rng):
-  """48 ascending distinct ids among the first 96 rows, then 5 padding ids:
-  several chunks and windows, runs of ids in one packed physical row."""
-  rows = np.sort(rng.choice(96, 48, replace=False)).astype(np.int32)
-  return np.concatenate([rows, np.full(5, -1, np.int32)])
-
-
-def _bits(x):
-  x = np.asarray(x)
-  return x.view(np.dtype(f"u{x.dtype.itemsize}"))
-
-
-def _update(impl, opt, dtype, *args):
-  if impl == "xla":
-    fn = lambda *a: xla.fused_update(*a, optimizer=opt, dtype=dtype)
-  else:
-    fn = lambda *a: fused_update(
-      *a, optimizer=opt, dtype=dtype, interpret=INTERPRET, chunk_rows=CHUNK, window_rows=WINDOW
-    )
-  return jax.jit(fn)(*args)
-
-
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=OPT_IDS)
 def test_xla_path_on_padded_state_is_the_logical_update(opt):
   # The math sees rows of `dim` columns: RowWiseAdagrad's mean square is
   # over 96 columns, not 128.
   dtype, dim = jnp.float32, 96
   rng = np.random.default_rng(1)
-  table, slots = _state(opt, dtype, dim, rng)
-  rows = _ids(rng)
+  table, slots = random_state(opt, dtype, dim, rng)
+  rows = dense_ids(rng)
   grads = rng.normal(size=(rows.size, dim)).astype(np.float32)
   scalars = opt.scalars(jnp.int32(STEP))
-  got_table, got_slots = _update("xla", opt, dtype, table, slots, rows, grads, scalars, True)
+  got_table, got_slots = run_update("xla", opt, dtype, table, slots, rows, grads, scalars, True)
   specs = opt.slot_specs()
   live = rows[rows >= 0]
   logical = {k: np.asarray(specs[k].values(v, dim))[live] for k, v in slots.items()}
@@ -146,18 +115,18 @@ def test_xla_path_on_padded_state_is_the_logical_update(opt):
 def test_padded_kernels_equal_xla(opt, shape):
   dtype, dim = shape
   rng = np.random.default_rng(2)
-  table, slots = _state(opt, dtype, dim, rng)
-  rows = _ids(rng)
+  table, slots = random_state(opt, dtype, dim, rng)
+  rows = dense_ids(rng)
   grads = rng.normal(size=(rows.size, dim)).astype(np.float32)
   args = (table, slots, rows, grads, opt.scalars(jnp.int32(STEP)), True)
-  want = _update("xla", opt, dtype, *args)
-  got = _update("pallas", opt, dtype, *args)
-  np.testing.assert_array_equal(_bits(got[0]), _bits(want[0]), err_msg="table")
-  assert not np.array_equal(_bits(got[0]), _bits(table))
+  want = run_update("xla", opt, dtype, *args)
+  got = run_update("pallas", opt, dtype, *args)
+  np.testing.assert_array_equal(bits(got[0]), bits(want[0]), err_msg="table")
+  assert not np.array_equal(bits(got[0]), bits(table))
   words = packing.row_words(dim, dtype)
   np.testing.assert_array_equal(packing.table_rows(np.asarray(got[0]), dim, dtype)[:, words:], 0)
   for k in slots:
-    np.testing.assert_array_equal(_bits(got[1][k]), _bits(want[1][k]), err_msg=f"slot {k}")
+    np.testing.assert_array_equal(bits(got[1][k]), bits(want[1][k]), err_msg=f"slot {k}")
   r = jnp.asarray(rows)
   np.testing.assert_array_equal(
     gather(
@@ -173,8 +142,8 @@ def test_stochastic_rounding_of_padded_bf16_rows_equals_xla():
   # not shift it.
   opt, dtype, dim = pe.RowWiseAdagrad(0.1), jnp.bfloat16, 96
   rng = np.random.default_rng(3)
-  table, slots = _state(opt, dtype, dim, rng)
-  rows = _ids(rng)
+  table, slots = random_state(opt, dtype, dim, rng)
+  rows = dense_ids(rng)
   grads = rng.normal(size=(rows.size, dim)).astype(np.float32)
   key = packing.rounding_key(5, jnp.int32(STEP))
   args = (table, slots, rows, grads, opt.scalars(jnp.int32(STEP)), True)
@@ -183,9 +152,9 @@ def test_stochastic_rounding_of_padded_bf16_rows_equals_xla():
   got = jax.jit(
     lambda *a: fused_update(*a, **kw, interpret=INTERPRET, chunk_rows=CHUNK, window_rows=WINDOW)
   )(*args)
-  np.testing.assert_array_equal(_bits(got[0]), _bits(want[0]))
+  np.testing.assert_array_equal(bits(got[0]), bits(want[0]))
   nearest = jax.jit(lambda *a: xla.fused_update(*a, optimizer=opt, dtype=dtype))(*args)
-  assert not np.array_equal(_bits(want[0]), _bits(nearest[0]))
+  assert not np.array_equal(bits(want[0]), bits(nearest[0]))
 
 
 def test_host_state_reshards_and_round_trips_without_padding():
