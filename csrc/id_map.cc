@@ -33,6 +33,7 @@
 #include <utility>
 #include <vector>
 
+#include "probe_window.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -46,6 +47,21 @@ constexpr uint32_t kMul1 = 0x85EBCA6Bu, kMul2 = 0xC2B2AE35u;
 constexpr uint32_t kSalts[8] = {0x9E3779B9u, 0x7F4A7C15u, 0xF39CC060u, 0x5CEDC834u,
                                 0x1B873593u, 0xCC9E2D51u, 0xE6546B64u, 0x27D4EB2Fu};
 
+// x % d for a divisor fixed per call, without a division (Lemire, Kaser and
+// Kurz, "Faster remainder by direct computation", 2019; exact for 32-bit x
+// and d): the probe loops take a remainder per key, and a hardware division
+// costs more than the rest of a probe.
+class FastMod {
+ public:
+  explicit FastMod(uint32_t d) : d_(d), m_(~uint64_t(0) / d + 1) {}
+  uint32_t operator()(uint32_t x) const {
+    return uint32_t((static_cast<unsigned __int128>(m_ * x) * d_) >> 64);
+  }
+
+ private:
+  uint64_t d_, m_;
+};
+
 // (key, index) pairs sorted by key: the sort of both handlers.
 struct Keyed {
   uint64_t key;
@@ -56,38 +72,48 @@ struct Scratch {
   std::vector<Keyed> keyed, tmp;
   std::vector<int32_t> offsets;
   std::vector<uint32_t> u_hi, u_lo;
-  std::vector<int32_t> u_cnt, estimate, victim;
+  std::vector<int32_t> u_cnt, estimate, victim, home, waiting;
+  std::vector<uint64_t> free;
+  std::vector<uint32_t> hist;
   std::vector<uint8_t> left, admitted;
 };
 thread_local Scratch tl_scratch;
 
-// An LSD radix sort of [first, last) by key, over the key bits that vary
-// (11-bit digits), with `tmp` as scratch; a no-op on sorted input (an owner
-// with one source receives its keys sorted). Ties keep no order: the callers
-// read only keys.
-void SortByKey(Keyed* first, Keyed* last, std::vector<Keyed>& tmp) {
+// Sorts [first, last) by key, with `tmp` as scratch; a no-op on sorted input
+// (an owner with one source receives its keys sorted). The keys are hashes,
+// spread evenly over their range: one counting pass puts them in about n
+// buckets by their leading bits (about one key each), and each bucket is
+// sorted alone (insertion sort; std::sort for a large one, so an uneven input
+// costs n log n, not n^2). Ties keep no order: the callers read only keys.
+void SortByKey(Keyed* first, Keyed* last, std::vector<Keyed>& tmp, std::vector<uint32_t>& hist) {
   const size_t n = last - first;
-  if (std::is_sorted(first, last, [](const Keyed& a, const Keyed& b) { return a.key < b.key; }))
-    return;
+  const auto less = [](const Keyed& a, const Keyed& b) { return a.key < b.key; };
+  if (std::is_sorted(first, last, less)) return;
   uint64_t lo = ~uint64_t(0), hi = 0;
   for (const Keyed* e = first; e != last; ++e) lo = std::min(lo, e->key), hi = std::max(hi, e->key);
   const int bits = 64 - __builtin_clzll(hi - lo);  // hi > lo: the input is not sorted
-  constexpr int kDigit = 11;
-  constexpr size_t kBuckets = size_t(1) << kDigit;
+  const int bucket_bits = std::min(bits, 64 - __builtin_clzll(uint64_t(n)));  // ~n buckets
+  const int shift = bits - bucket_bits;
+  const size_t buckets = size_t(1) << bucket_bits;
+  auto bucket = [&](const Keyed& e) { return (e.key - lo) >> shift; };
+  hist.assign(buckets + 1, 0);
+  for (const Keyed* e = first; e != last; ++e) ++hist[bucket(*e) + 1];
+  for (size_t b = 0; b < buckets; ++b) hist[b + 1] += hist[b];
   tmp.resize(n);
-  Keyed* src = first;
-  Keyed* dst = tmp.data();
-  uint32_t hist[kBuckets];
-  for (int shift = 0; shift < bits; shift += kDigit) {
-    std::fill(hist, hist + kBuckets, 0);
-    auto digit = [&](const Keyed& e) { return ((e.key - lo) >> shift) & (kBuckets - 1); };
-    for (size_t i = 0; i < n; ++i) ++hist[digit(src[i])];
-    uint32_t sum = 0;
-    for (size_t b = 0; b < kBuckets; ++b) sum += std::exchange(hist[b], sum);
-    for (size_t i = 0; i < n; ++i) dst[hist[digit(src[i])]++] = src[i];
-    std::swap(src, dst);
+  for (const Keyed* e = first; e != last; ++e) tmp[hist[bucket(*e)]++] = *e;
+  // hist[b] is now the end of bucket b, the start of bucket b + 1.
+  constexpr uint32_t kSmall = 16;
+  for (size_t b = 0, begin = 0; b < buckets; begin = hist[b++]) {
+    Keyed* const lo_e = tmp.data() + begin;
+    Keyed* const hi_e = tmp.data() + hist[b];
+    if (hi_e - lo_e > kSmall) {
+      std::sort(lo_e, hi_e, less);
+      continue;
+    }
+    for (Keyed* e = lo_e + 1; e < hi_e; ++e)
+      for (Keyed* f = e; f > lo_e && f->key < f[-1].key; --f) std::swap(*f, f[-1]);
   }
-  if (src != first) std::copy(src, src + n, first);
+  std::copy(tmp.begin(), tmp.begin() + n, first);
 }
 
 ffi::Error KeyPlan(ffi::Buffer<ffi::U32> hi_buf, ffi::Buffer<ffi::U32> lo_buf,
@@ -113,19 +139,20 @@ ffi::Error KeyPlan(ffi::Buffer<ffi::U32> hi_buf, ffi::Buffer<ffi::U32> lo_buf,
 
   // Bucket the tokens by owner (a counting sort), then sort each bucket.
   Scratch& s = tl_scratch;
+  const FastMod owner_of{uint32_t(num_shards)};
   s.offsets.assign(num_shards + 1, 0);
   for (int64_t i = 0; i < t; ++i)
-    if (valid[i]) ++s.offsets[hi[i] % uint32_t(num_shards) + 1];
+    if (valid[i]) ++s.offsets[owner_of(hi[i]) + 1];
   for (int64_t o = 0; o < num_shards; ++o) s.offsets[o + 1] += s.offsets[o];
   s.keyed.resize(s.offsets[num_shards]);
   std::vector<int32_t> fill(s.offsets.begin(), s.offsets.end() - 1);
   for (int64_t i = 0; i < t; ++i)
     if (valid[i])
-      s.keyed[fill[hi[i] % uint32_t(num_shards)]++] = {uint64_t(hi[i]) << 32 | lo[i], int32_t(i)};
+      s.keyed[fill[owner_of(hi[i])]++] = {uint64_t(hi[i]) << 32 | lo[i], int32_t(i)};
   for (int64_t o = 0; o < num_shards; ++o) {
     Keyed* first = s.keyed.data() + s.offsets[o];
     Keyed* last = s.keyed.data() + s.offsets[o + 1];
-    SortByKey(first, last, s.tmp);
+    SortByKey(first, last, s.tmp, s.hist);
     int64_t position = -1;
     for (Keyed* e = first; e != last; ++e) {
       if (e == first || e->key != e[-1].key) ++position;
@@ -198,7 +225,7 @@ ffi::Error IdMapStep(ffi::Buffer<ffi::U32> key_hi_in, ffi::Buffer<ffi::U32> key_
   s.keyed.clear();
   for (int64_t i = 0; i < n; ++i)
     if (recv_count[i] > 0) s.keyed.push_back({uint64_t(recv_hi[i]) << 32 | recv_lo[i], int32_t(i)});
-  SortByKey(s.keyed.data(), s.keyed.data() + s.keyed.size(), s.tmp);
+  SortByKey(s.keyed.data(), s.keyed.data() + s.keyed.size(), s.tmp, s.hist);
   s.u_hi.clear();
   s.u_lo.clear();
   s.u_cnt.clear();
@@ -213,7 +240,14 @@ ffi::Error IdMapStep(ffi::Buffer<ffi::U32> key_hi_in, ffi::Buffer<ffi::U32> key_
     slot_uid[e.index] = int32_t(s.u_hi.size() - 1);
   }
   const int64_t nu = int64_t(s.u_hi.size());
-  auto pos = [&](int64_t u, int64_t r) { return int32_t((s.u_lo[u] % uint32_t(cap) + r) % cap); };
+  // Slot r of key u's window: its home slot, plus r, wrapped (r < cap).
+  const FastMod home_of{uint32_t(cap)};
+  s.home.resize(nu);
+  for (int64_t u = 0; u < nu; ++u) s.home[u] = int32_t(home_of(s.u_lo[u]));
+  auto pos = [&](int64_t u, int64_t r) {
+    const int32_t p = s.home[u] + int32_t(r);
+    return p >= cap ? p - int32_t(cap) : p;
+  };
 
   // 2. The periodic sweep.
   int32_t evicted = 0, inserted = 0, not_admitted = 0, failed = 0;
@@ -225,16 +259,10 @@ ffi::Error IdMapStep(ffi::Buffer<ffi::U32> key_hi_in, ffi::Buffer<ffi::U32> key_
         if (last[j] >= 0 && step - last[j] >= ttl) last[j] = -1, ++evicted;
   }
 
-  // 3. Resident keys, found in their window.
-  for (int64_t u = 0; u < nu; ++u) {
-    int64_t sum = 0;
-    bool found = false;
-    for (int64_t r = 0; r < probe_limit; ++r) {
-      const int32_t p = pos(u, r);
-      if (last[p] >= 0 && key_hi[p] == s.u_hi[u] && key_lo[p] == s.u_lo[u]) found = true, sum += p;
-    }
-    if (found) slot[u] = int32_t(sum);
-  }
+  // 3. Resident keys, found in their window (a key is held at most once; the
+  // low word, compared first, rules out nearly every other slot).
+  const ProbeWindows windows(MapView{key_hi, key_lo, count, last, usable, int32_t(cap)}, probe_limit);
+  for (int64_t u = 0; u < nu; ++u) slot[u] = windows.Find(s.home[u], s.u_hi[u], s.u_lo[u]);
   if (!train) {
     std::fill(stats, stats + 4, 0);
     *step_out->typed_data() = step;
@@ -275,35 +303,39 @@ ffi::Error IdMapStep(ffi::Buffer<ffi::U32> key_hi_in, ffi::Buffer<ffi::U32> key_
     slot[u] = p;
     s.left[u] = 0;
   };
-  // 5. Insertion rounds: in round r each waiting key takes home + r if free.
-  int64_t waiting = std::count(s.left.begin(), s.left.end(), 1);
-  for (int64_t r = 0; r < probe_limit && waiting > 0; ++r)
-    for (int64_t u = 0; u < nu; ++u)
-      if (s.left[u]) {
-        const int32_t p = pos(u, r);
-        if (last[p] < 0 && usable[p]) take(u, p), --waiting;
-      }
-  // 6. One round of victims, all chosen before any is taken: the least count
-  // (lfu) or least recent step, never a slot used this step or the last.
-  if (evict_on_insert) {
-    s.victim.assign(nu, -1);
-    for (int64_t u = 0; u < nu; ++u) {
-      if (!s.left[u]) continue;
-      int32_t best = -1;
-      for (int64_t r = 0; r < probe_limit; ++r) {
-        const int32_t p = pos(u, r);
-        const int32_t l = last[p];
-        if (l < 0 || l >= step - 1 || (policy == kTtl && step - l < ttl)) continue;
-        if (best < 0 || (policy == kLfu && count[p] < count[best]) ||
-            ((policy != kLfu || count[p] == count[best]) && l < last[best]))
-          best = p;
-      }
-      if (best >= 0 && (policy != kLfu || count[best] <= float(s.estimate[u]))) s.victim[u] = best;
-    }
-    for (int64_t u = 0; u < nu; ++u) {
-      const int32_t p = s.victim[u];
-      if (p >= 0 && last[p] != step) take(u, p), ++evicted;  // else a lower rank took it
-    }
+  // 5. One pass over each admitted key's window, the map as the rounds find
+  // it: its free slots (a mask over the window; no round frees a slot) and
+  // its victim (probe_window.h). The rounds take only free slots, which are
+  // never victims, so victims chosen now are those chosen after the rounds.
+  const int64_t words = (probe_limit + 63) / 64;  // of a window's mask
+  const VictimRule rule{
+    step - int32_t(policy == kTtl ? std::max<int64_t>(ttl, 2) : 2), policy == kLfu};
+  s.free.assign(nu * words, 0);
+  s.victim.assign(nu, -1);
+  s.waiting.clear();
+  for (int64_t u = 0; u < nu; ++u) {
+    if (!s.left[u]) continue;
+    const WindowScan w = windows.Scan(s.home[u], rule, &s.free[u * words]);
+    if (evict_on_insert && w.victim >= 0 && (!rule.lfu || count[w.victim] <= float(s.estimate[u])))
+      s.victim[u] = w.victim;
+    if (w.any_free) s.waiting.push_back(int32_t(u));
+  }
+  // 6. Insertion rounds: in round r each waiting key, in rank order, takes
+  // home + r if it was free and no lower rank took it.
+  for (int64_t r = 0; r < probe_limit && !s.waiting.empty(); ++r) {
+    size_t kept = 0;
+    for (const int32_t u : s.waiting)
+      if ((s.free[u * words + r / 64] >> (r % 64) & 1) && last[pos(u, r)] < 0)
+        take(u, pos(u, r));
+      else
+        s.waiting[kept++] = u;
+    s.waiting.resize(kept);
+  }
+  // 7. The keys still waiting take their victims, all chosen before any is
+  // taken (a victim two keys chose goes to the lower rank).
+  for (int64_t u = 0; u < nu; ++u) {
+    const int32_t p = s.victim[u];
+    if (s.left[u] && p >= 0 && last[p] != step) take(u, p), ++evicted;
   }
   for (int64_t u = 0; u < nu; ++u) {
     if (s.admitted[u] && !s.left[u]) reset[u] = slot[u], ++inserted;

@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pallas_emb import kernels, packing, programs
+from pallas_emb import kernels, packing, programs, threefry
 from pallas_emb.capacity import key_capacity
 from pallas_emb.errors import InputError, SpecError
 from pallas_emb.inputs import ids_of, with_ids
@@ -56,8 +56,9 @@ class VocabState(NamedTuple):
 
   Attributes:
     map: the `sharding.id_map.IdMap` of every shard (global arrays).
-    key: (2,) uint32 key data; a row given a new id at map step t is
-      `initializer(fold_in(fold_in(key, row), t))`.
+    key: (2,) uint32 key data; a row given a new id at map step t starts
+      from `initializer(jax.random.wrap_key_data(new_row_keys(key, [row],
+      t)[0]), (dim,), float32)`, its slots from their initial values.
   """
 
   map: IdMap
@@ -94,9 +95,33 @@ def init_state(t: ShardedTable, key: jax.Array) -> VocabState:
 
 # New rows (their table row and slots) are initialised this many at a time,
 # for as many chunks as the step inserted: a step inserts a fraction of its
-# keys (the drift benchmark: 700 of 5,120 slots), and a row's initializer
-# (two key derivations and a draw) costs more than the map's step per key.
+# keys (the drift benchmark: 700 of 5,120 slots), and a row's draw costs
+# more than the map's step per key.
 _INIT_CHUNK = 256
+
+
+def _fmix32(x):
+  """MurmurHash3's 32-bit finalizer: a bijection of uint32 that mixes
+  every input bit into every output bit."""
+  x ^= x >> 16
+  x *= np.uint32(0x85EBCA6B)
+  x ^= x >> 13
+  x *= np.uint32(0xC2B2AE35)
+  return x ^ (x >> 16)
+
+
+def new_row_keys(key: jax.Array, rows: jax.Array, step) -> jax.Array:
+  """(n, 2) uint32 threefry key data of rows given a new id at map step
+  `step`: `key` (2,) uint32 (`VocabState.key`), `rows` (n,) int32 logical
+  rows. Word 0 is a bijection of the row, word 1 of the step for a given
+  row, so no two (row, step) pairs share a key. Integer mixing, not
+  `fold_in`: a fold_in is a threefry hash, which XLA:CPU runs as a loop of
+  its own, and a step's new rows would pay for two of them beside the draw.
+  The draw itself goes through `pallas_emb.threefry.IMPL`: the bits of a
+  default threefry key with this data, in one fused loop on CPU."""
+  r = _fmix32(rows.astype(jnp.uint32) ^ key[0])
+  t = jnp.asarray(step).astype(jnp.uint32) * np.uint32(0x9E3779B9)
+  return jnp.stack([r, _fmix32(_fmix32(key[1] ^ t) ^ r)], axis=-1)
 
 
 def _reset(t: ShardedTable, table, slots, reset, key, step):
@@ -104,7 +129,6 @@ def _reset(t: ShardedTable, table, slots, reset, key, step):
   spec, layout = t.spec, t.layout
   rps = layout.rows_per_shard
   me = jax.lax.axis_index(t.axis)
-  base = jax.random.wrap_key_data(key)
   width = packing.storage_width(spec.dim, spec.dtype)
   # The reset slots first, in order: chunk c holds new slots c*CHUNK onwards.
   new = reset >= 0
@@ -117,7 +141,7 @@ def _reset(t: ShardedTable, table, slots, reset, key, step):
     slot = jax.lax.dynamic_slice_in_dim(packed, c * _INIT_CHUNK, _INIT_CHUNK)
     at = jnp.where(slot >= 0, slot, rps)
     logical = jnp.maximum(layout.logical_of(me * rps + jnp.maximum(slot, 0)), 0)
-    keys_ = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(base, r), step))(logical)
+    keys_ = jax.random.wrap_key_data(new_row_keys(key, logical, step), impl=threefry.IMPL)
     rows = jax.vmap(lambda k: spec.initializer(k, (spec.dim,), jnp.float32))(keys_)
     # The table may be stored packed (rows narrower than 128 lanes): write sub-rows.
     new_rows = packing.pack_rows(rows.astype(jnp.float32), spec.dtype)

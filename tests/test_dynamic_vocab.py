@@ -381,6 +381,47 @@ def test_weighted_and_ragged_inputs_take_rows_like_padded_ids():
   np.testing.assert_array_equal(emb.lookup(tables, ragged)[0]["f"], want)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("num_devices", [1, 2])
+def test_new_rows_start_from_the_initializer_with_fresh_slots(num_devices, backend):
+  """Every row given a new id (empty before, or evicted and reused after
+  training moved it) holds the documented initial draw, and its slots
+  their initial values, when `admit` returns."""
+  init = lambda key, shape, dtype=jnp.float32: jax.random.normal(key, shape, dtype)
+  vocab = DynamicVocabulary(policy="lru", probe_limit=4)
+  spec = pe.TableSpec("t", 16, 8, vocabulary=vocab, optimizer=pe.Adagrad(0.1), initializer=init)
+  emb = pe.ShardedEmbedding(
+    [spec], [pe.FeatureSpec("f", "t")], make_mesh(num_devices), backend=backend
+  )
+  tables, vocabs = emb.init(jax.random.key(0)), emb.init_vocabularies(jax.random.key(1))
+  slot_init = {n: s.init for n, s in spec.optimizer.slot_specs().items()}
+  new_total = reused_trained = 0
+  for step in range(6):
+    raw = np.arange(B * L, dtype=np.int64).reshape(B, L) + 5 * step  # 5 new ids a step
+    held = dict(zip(*(x.tolist() for x in emb.resident_rows(vocabs, "t"))))  # id -> row
+    slots_before = emb.logical_slots(tables, "t")
+    map_step, key = int(vocabs["t"].map.step), jnp.asarray(np.asarray(vocabs["t"].key))  # donated
+    rows, tables, vocabs, vm = emb.admit(tables, vocabs, {"f": raw})
+    ids, got = emb.resident_rows(vocabs, "t")
+    new = [r for i, r in zip(ids.tolist(), got.tolist()) if held.get(i) != r]
+    assert len(new) == int(vm["t"].inserts)
+    keys = dynamic.new_row_keys(key, jnp.asarray(new, jnp.int32), map_step)
+    want = jax.vmap(lambda d: init(jax.random.wrap_key_data(d), (8,)))(keys)
+    np.testing.assert_array_equal(emb.logical_table(tables, "t")[new], np.asarray(want))
+    for name, value in emb.logical_slots(tables, "t").items():
+      assert (value[new] == slot_init[name]).all(), name
+      reused_trained += int((slots_before[name][new] != slot_init[name]).any(axis=-1).sum())
+    new_total += len(new)
+    acts, res = emb.lookup(tables, rows)
+    tables, _ = emb.apply_gradients(tables, res, {"f": jnp.ones_like(acts["f"])})
+  assert new_total > 16 and reused_trained > 0, (new_total, reused_trained)
+  # No two (row, step) pairs share a key.
+  grid = dynamic.new_row_keys(
+    key, jnp.arange(4096, dtype=jnp.int32).repeat(8), jnp.tile(jnp.arange(8), 4096)
+  )
+  assert len({tuple(k) for k in np.asarray(grid).tolist()}) == 4096 * 8
+
+
 def test_async_victims_are_not_the_previous_steps_ids():
   """An id used at step t - 1 keeps its row at step t (its update may
   still be pending), however full its window."""

@@ -36,6 +36,7 @@ SPARSE = (
     "pallas_emb.dynamic",
     "pallas_emb.vocabulary",
     "pallas_emb.hashing",
+    "pallas_emb.threefry",
   )
 )
 ALLOWED = {
@@ -55,6 +56,7 @@ ALLOWED = {
   "pallas_emb.kernels.xla": KERNELS,
   "pallas_emb.optimizers": OPTIMIZERS,
   "pallas_emb.norms": ("pallas_emb", "pallas_emb.norms"),
+  "pallas_emb.threefry": ("pallas_emb", "pallas_emb.threefry"),
   "pallas_emb.placement": ("pallas_emb", "pallas_emb.placement"),
   "pallas_emb.stacking.members": ("pallas_emb", "pallas_emb.stacking"),
   "pallas_emb.embedding": SPARSE,

@@ -92,11 +92,15 @@ def test_owner_step_is_the_same_bits_every_way(capacity, probe_limit, fill, name
 
 
 @needs_native
+@pytest.mark.parametrize("spread", ["hashes", "clustered"])
 @pytest.mark.parametrize("num_shards,capacity", [(1, 64), (4, 8)])
-def test_native_buckets_equal_xla(num_shards, capacity):
+def test_native_buckets_equal_xla(num_shards, capacity, spread):
   rng = np.random.default_rng(num_shards)
   t = 200
   keys = rng.integers(0, 2**32, (60, 2), dtype=np.uint64).astype(np.uint32)
+  if spread == "clustered":  # 50 keys in one of the native sort's buckets, two far apart
+    keys[:50, 0] = 0x12345678
+    keys[50, 0], keys[51, 0] = 0, 0xFFFFFFF0
   words = keys[rng.integers(0, 60, t)]
   valid = rng.random(t) > 0.1
   words[~valid] = key_route.PAD
