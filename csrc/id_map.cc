@@ -220,24 +220,44 @@ ffi::Error IdMapStep(ffi::Buffer<ffi::U32> key_hi_in, ffi::Buffer<ffi::U32> key_
   std::fill(slot_uid, slot_uid + n, -1);
   std::fill(reset, reset + n, -1);
 
-  // 1. The distinct keys received, ascending: a key's rank is its uid.
+  // 1. The distinct keys received, ascending: a key's rank is its uid. An
+  // owner with one source receives them sorted and distinct (one pass);
+  // otherwise they are sorted first.
   Scratch& s = tl_scratch;
-  s.keyed.clear();
-  for (int64_t i = 0; i < n; ++i)
-    if (recv_count[i] > 0) s.keyed.push_back({uint64_t(recv_hi[i]) << 32 | recv_lo[i], int32_t(i)});
-  SortByKey(s.keyed.data(), s.keyed.data() + s.keyed.size(), s.tmp, s.hist);
   s.u_hi.clear();
   s.u_lo.clear();
   s.u_cnt.clear();
-  for (size_t j = 0; j < s.keyed.size(); ++j) {
-    const Keyed& e = s.keyed[j];
-    if (j == 0 || e.key != s.keyed[j - 1].key) {
-      s.u_hi.push_back(uint32_t(e.key >> 32));
-      s.u_lo.push_back(uint32_t(e.key));
-      s.u_cnt.push_back(0);
+  uint64_t previous = 0;
+  bool ascending = true;
+  for (int64_t i = 0; i < n && ascending; ++i) {
+    if (recv_count[i] <= 0) continue;
+    const uint64_t key = uint64_t(recv_hi[i]) << 32 | recv_lo[i];
+    ascending = s.u_hi.empty() || key > previous;
+    previous = key;
+    s.u_hi.push_back(recv_hi[i]);
+    s.u_lo.push_back(recv_lo[i]);
+    s.u_cnt.push_back(recv_count[i]);
+    slot_uid[i] = int32_t(s.u_hi.size() - 1);
+  }
+  if (!ascending) {
+    std::fill(slot_uid, slot_uid + n, -1);
+    s.keyed.clear();
+    for (int64_t i = 0; i < n; ++i)
+      if (recv_count[i] > 0) s.keyed.push_back({uint64_t(recv_hi[i]) << 32 | recv_lo[i], int32_t(i)});
+    SortByKey(s.keyed.data(), s.keyed.data() + s.keyed.size(), s.tmp, s.hist);
+    s.u_hi.clear();
+    s.u_lo.clear();
+    s.u_cnt.clear();
+    for (size_t j = 0; j < s.keyed.size(); ++j) {
+      const Keyed& e = s.keyed[j];
+      if (j == 0 || e.key != s.keyed[j - 1].key) {
+        s.u_hi.push_back(uint32_t(e.key >> 32));
+        s.u_lo.push_back(uint32_t(e.key));
+        s.u_cnt.push_back(0);
+      }
+      s.u_cnt.back() += recv_count[e.index];
+      slot_uid[e.index] = int32_t(s.u_hi.size() - 1);
     }
-    s.u_cnt.back() += recv_count[e.index];
-    slot_uid[e.index] = int32_t(s.u_hi.size() - 1);
   }
   const int64_t nu = int64_t(s.u_hi.size());
   // Slot r of key u's window: its home slot, plus r, wrapped (r < cap).
