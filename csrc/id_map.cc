@@ -17,7 +17,8 @@
 //   recv_hi, recv_lo (n,) uint32; recv_count (n,) int32; usable (C,) pred
 //   -> the new map (6 outputs), slot (n,) int32 per distinct key (rank
 //      order), slot_uid (n,) int32 rank of each received slot's key or -1,
-//      reset (n,) int32, stats (4,) int32: evicted, inserted, not admitted,
+//      reset (n,) int32 the slots given a new key, in rank order, then -1;
+//      stats (4,) int32: evicted, inserted, not admitted,
 //      failed
 //
 // The XLA code resolves each insertion round with a scatter-min over the
@@ -358,7 +359,7 @@ ffi::Error IdMapStep(ffi::Buffer<ffi::U32> key_hi_in, ffi::Buffer<ffi::U32> key_
     if (s.left[u] && p >= 0 && last[p] != step) take(u, p), ++evicted;
   }
   for (int64_t u = 0; u < nu; ++u) {
-    if (s.admitted[u] && !s.left[u]) reset[u] = slot[u], ++inserted;
+    if (s.admitted[u] && !s.left[u]) reset[inserted++] = slot[u];
     failed += s.left[u];
   }
   stats[0] = evicted;

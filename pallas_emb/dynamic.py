@@ -41,7 +41,6 @@ from pallas_emb.sharded_table import ShardedTable
 from pallas_emb.state import TableState, to_host
 from pallas_emb.vocabulary import DynamicVocabulary, raw_ids, vocab_keys
 from sharding import id_map
-from sharding.dedup import compact
 from sharding.id_map import IdMap
 from sharding.layout import round_up
 
@@ -130,10 +129,11 @@ def _reset(t: ShardedTable, table, slots, reset, key, step):
   rps = layout.rows_per_shard
   me = jax.lax.axis_index(t.axis)
   width = packing.storage_width(spec.dim, spec.dtype)
-  # The reset slots first, in order: chunk c holds new slots c*CHUNK onwards.
-  new = reset >= 0
-  packed = compact(new, reset, round_up(reset.shape[0], _INIT_CHUNK), -1)
-  inserted = jnp.sum(new, dtype=jnp.int32)
+  # The reset slots come first (`OwnerStep.reset`): chunk c holds new slots
+  # c*CHUNK onwards.
+  n = reset.shape[0]
+  packed = jnp.pad(reset, (0, round_up(n, _INIT_CHUNK) - n), constant_values=-1)
+  inserted = jnp.sum(reset >= 0, dtype=jnp.int32)
   specs = spec.optimizer.slot_specs()
 
   def init_chunk(c, state):

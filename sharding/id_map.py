@@ -54,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sharding import insert_rounds, key_route, probe_window
+from sharding.dedup import compact
 from sharding.key_route import PAD
 from sharding.layout import RowLayout
 
@@ -94,7 +95,7 @@ class Translation(NamedTuple):
       padding, MISS for an id with no row (not admitted, failed, or read
       only).
     reset: (n,) int32 local slots given a new key this step (their table
-      rows and slots start afresh), -1 padding.
+      rows and slots start afresh), first, then -1.
     occupancy, inserts, evictions, not_admitted, failed, misses: () int32
       totals over devices: slots held after the step; keys inserted; keys
       evicted (by sweeps and by inserts); distinct keys not admitted yet;
@@ -187,7 +188,8 @@ class OwnerStep(NamedTuple):
       order; -1 for none.
     slot_uid: (n,) int32 rank of each received slot's key, -1 for an empty
       slot.
-    reset: (n,) int32 local slots given a new key this step, -1 padding.
+    reset: (n,) int32 local slots given a new key this step, in rank order,
+      then -1.
     evictions, inserts, not_admitted, failed: () int32 this owner's counts.
   """
 
@@ -291,7 +293,7 @@ def owner_step(
       evicted += jnp.sum(win, dtype=jnp.int32)
     new = admitted & ~left
     m = _take(m, slot, new, u_hi, u_lo, u_cnt, step, capacity)
-    reset = jnp.where(new, slot, -1)
+    reset = compact(new, slot, n, -1)
     inserts = jnp.sum(new, dtype=jnp.int32)
     failed = jnp.sum(left, dtype=jnp.int32)
     m = m._replace(step=step + 1)
@@ -342,7 +344,10 @@ def translate(
     axis_name=axis_name,
     impl=impl and impl[0],
   )
-  usable = layout.logical_of(me * capacity + jnp.arange(capacity, dtype=jnp.int32)) >= 0
+  if layout.num_physical_rows == layout.num_rows:  # no padding row: a constant
+    usable = jnp.ones((capacity,), bool)
+  else:
+    usable = layout.logical_of(me * capacity + jnp.arange(capacity, dtype=jnp.int32)) >= 0
   step_fn = impl[1] if impl else functools.partial(owner_step, lane_dense=lane_dense)
   step = OwnerStep(
     *step_fn(m, route.recv_hi, route.recv_lo, route.recv_count, usable, train=train, **policy)
