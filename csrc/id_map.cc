@@ -18,8 +18,7 @@
 //   -> the new map (6 outputs), slot (n,) int32 per distinct key (rank
 //      order), slot_uid (n,) int32 rank of each received slot's key or -1,
 //      reset (n,) int32 the slots given a new key, in rank order, then -1;
-//      stats (4,) int32: evicted, inserted, not admitted,
-//      failed
+//      stats (4,) int32: evicted, inserted, not admitted, failed
 //
 // The XLA code resolves each insertion round with a scatter-min over the
 // claims, the lowest rank winning a slot; here the keys of a round are
@@ -34,6 +33,7 @@
 #include <utility>
 #include <vector>
 
+#include "keyed_sort.h"
 #include "probe_window.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -48,27 +48,6 @@ constexpr uint32_t kMul1 = 0x85EBCA6Bu, kMul2 = 0xC2B2AE35u;
 constexpr uint32_t kSalts[8] = {0x9E3779B9u, 0x7F4A7C15u, 0xF39CC060u, 0x5CEDC834u,
                                 0x1B873593u, 0xCC9E2D51u, 0xE6546B64u, 0x27D4EB2Fu};
 
-// x % d for a divisor fixed per call, without a division (Lemire, Kaser and
-// Kurz, "Faster remainder by direct computation", 2019; exact for 32-bit x
-// and d): the probe loops take a remainder per key, and a hardware division
-// costs more than the rest of a probe.
-class FastMod {
- public:
-  explicit FastMod(uint32_t d) : d_(d), m_(~uint64_t(0) / d + 1) {}
-  uint32_t operator()(uint32_t x) const {
-    return uint32_t((static_cast<unsigned __int128>(m_ * x) * d_) >> 64);
-  }
-
- private:
-  uint64_t d_, m_;
-};
-
-// (key, index) pairs sorted by key: the sort of both handlers.
-struct Keyed {
-  uint64_t key;
-  int32_t index;
-};
-
 struct Scratch {
   std::vector<Keyed> keyed, tmp;
   std::vector<int32_t> offsets;
@@ -79,43 +58,6 @@ struct Scratch {
   std::vector<uint8_t> left, admitted;
 };
 thread_local Scratch tl_scratch;
-
-// Sorts [first, last) by key, with `tmp` as scratch; a no-op on sorted input
-// (an owner with one source receives its keys sorted). The keys are hashes,
-// spread evenly over their range: one counting pass puts them in about n
-// buckets by their leading bits (about one key each), and each bucket is
-// sorted alone (insertion sort; std::sort for a large one, so an uneven input
-// costs n log n, not n^2). Ties keep no order: the callers read only keys.
-void SortByKey(Keyed* first, Keyed* last, std::vector<Keyed>& tmp, std::vector<uint32_t>& hist) {
-  const size_t n = last - first;
-  const auto less = [](const Keyed& a, const Keyed& b) { return a.key < b.key; };
-  if (std::is_sorted(first, last, less)) return;
-  uint64_t lo = ~uint64_t(0), hi = 0;
-  for (const Keyed* e = first; e != last; ++e) lo = std::min(lo, e->key), hi = std::max(hi, e->key);
-  const int bits = 64 - __builtin_clzll(hi - lo);  // hi > lo: the input is not sorted
-  const int bucket_bits = std::min(bits, 64 - __builtin_clzll(uint64_t(n)));  // ~n buckets
-  const int shift = bits - bucket_bits;
-  const size_t buckets = size_t(1) << bucket_bits;
-  auto bucket = [&](const Keyed& e) { return (e.key - lo) >> shift; };
-  hist.assign(buckets + 1, 0);
-  for (const Keyed* e = first; e != last; ++e) ++hist[bucket(*e) + 1];
-  for (size_t b = 0; b < buckets; ++b) hist[b + 1] += hist[b];
-  tmp.resize(n);
-  for (const Keyed* e = first; e != last; ++e) tmp[hist[bucket(*e)]++] = *e;
-  // hist[b] is now the end of bucket b, the start of bucket b + 1.
-  constexpr uint32_t kSmall = 16;
-  for (size_t b = 0, begin = 0; b < buckets; begin = hist[b++]) {
-    Keyed* const lo_e = tmp.data() + begin;
-    Keyed* const hi_e = tmp.data() + hist[b];
-    if (hi_e - lo_e > kSmall) {
-      std::sort(lo_e, hi_e, less);
-      continue;
-    }
-    for (Keyed* e = lo_e + 1; e < hi_e; ++e)
-      for (Keyed* f = e; f > lo_e && f->key < f[-1].key; --f) std::swap(*f, f[-1]);
-  }
-  std::copy(tmp.begin(), tmp.begin() + n, first);
-}
 
 ffi::Error KeyPlan(ffi::Buffer<ffi::U32> hi_buf, ffi::Buffer<ffi::U32> lo_buf,
                    ffi::Buffer<ffi::PRED> valid_buf, int64_t num_shards, int64_t capacity,
@@ -244,7 +186,8 @@ ffi::Error IdMapStep(ffi::Buffer<ffi::U32> key_hi_in, ffi::Buffer<ffi::U32> key_
     std::fill(slot_uid, slot_uid + n, -1);
     s.keyed.clear();
     for (int64_t i = 0; i < n; ++i)
-      if (recv_count[i] > 0) s.keyed.push_back({uint64_t(recv_hi[i]) << 32 | recv_lo[i], int32_t(i)});
+      if (recv_count[i] > 0)
+        s.keyed.push_back({uint64_t(recv_hi[i]) << 32 | recv_lo[i], int32_t(i)});
     SortByKey(s.keyed.data(), s.keyed.data() + s.keyed.size(), s.tmp, s.hist);
     s.u_hi.clear();
     s.u_lo.clear();
@@ -282,7 +225,8 @@ ffi::Error IdMapStep(ffi::Buffer<ffi::U32> key_hi_in, ffi::Buffer<ffi::U32> key_
 
   // 3. Resident keys, found in their window (a key is held at most once; the
   // low word, compared first, rules out nearly every other slot).
-  const ProbeWindows windows(MapView{key_hi, key_lo, count, last, usable, int32_t(cap)}, probe_limit);
+  const MapView view{key_hi, key_lo, count, last, usable, int32_t(cap)};
+  const ProbeWindows windows(view, probe_limit);
   for (int64_t u = 0; u < nu; ++u) slot[u] = windows.Find(s.home[u], s.u_hi[u], s.u_lo[u]);
   if (!train) {
     std::fill(stats, stats + 4, 0);
