@@ -12,8 +12,9 @@ key with the same data under `jax_threefry_partitionable` (JAX's default):
 element i of a draw is threefry2x32(key, (i >> 32, i & 0xFFFFFFFF)), its two
 words xored (32 bits and fewer) or concatenated (64). So an initializer
 called with `jax.random.wrap_key_data(data, impl=IMPL)` returns what it
-would with `jax.random.wrap_key_data(data)`, bit for bit; only split and
-fold_in, which a row's initializer rarely calls, are the default impl's.
+would with `jax.random.wrap_key_data(data)`, bit for bit. Seeding, split
+and fold_in are the default impl's own functions (the same keys, JAX's
+loop): a row's initializer draws, it rarely splits.
 """
 
 from __future__ import annotations
