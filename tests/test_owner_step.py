@@ -4,9 +4,15 @@ TPU's), and the native CPU kernels (csrc/id_map.cc); and a source's buckets
 in XLA and natively. Random maps, with ties, wrapping windows, unusable
 slots, duplicate and padded keys."""
 
+import hashlib
+import os
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
+from conftest import child_env
 
 from pallas_emb.kernels import native_id_map, native_lib
 from sharding import id_map, key_route
@@ -112,3 +118,49 @@ def test_native_buckets_equal_xla(num_shards, capacity, spread):
     assert (np.asarray(want[0]) < 0).sum() > (~valid).sum()
   for g, x in zip(got, want):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(x))
+
+
+# The native step's outputs on the every-way cases, as one digest: the child
+# process below runs it with the window scans' scalar path.
+_NATIVE_DIGEST = """
+import hashlib, sys
+sys.path.insert(0, sys.argv[1])
+import test_owner_step as t
+digest = hashlib.sha256()
+for arrays in t._native_outputs():
+  for x in arrays:
+    digest.update(x.tobytes())
+print(digest.hexdigest())
+"""
+
+
+def _native_outputs():
+  """The native step's outputs on the train cases with windows of 16 (on
+  this host, its AVX2 scans where a window does not wrap)."""
+  for name in sorted(CASES):
+    for fill in (0.75, 0.99):
+      params = dict(CASES[name], probe_limit=16)
+      sketch = (2, 64) if params["admit_after"] > 1 else (1, 1)
+      yield _run(native_id_map.owner_step, _case(272, 256, 16, 300, sketch, fill), params, True)
+
+
+@needs_native
+@pytest.mark.slow
+def test_native_scalar_and_vector_scans_give_the_same_bits():
+  """csrc/probe_window.h scans a window scalar or 8 slots at a time (AVX2);
+  the quick tests run the host's. A child on the scalar path
+  (PE_NATIVE_ISA=base) gives the same outputs as this process."""
+  here = hashlib.sha256()
+  for arrays in _native_outputs():
+    for x in arrays:
+      here.update(x.tobytes())
+  tests = os.path.dirname(os.path.abspath(__file__))
+  out = subprocess.run(
+    [sys.executable, "-c", _NATIVE_DIGEST, tests],
+    env=child_env(PE_NATIVE_ISA="base"),
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=True,
+  )
+  assert out.stdout.strip().splitlines()[-1] == here.hexdigest()
