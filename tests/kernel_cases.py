@@ -3,11 +3,13 @@ random stored table and slots, ids with runs in one physical row, the
 update on either path, and bit-for-bit comparison."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_emb import packing
 from pallas_emb.kernels import xla
+from pallas_emb.kernels.pallas_gather import gather
 from pallas_emb.kernels.pallas_update import fused_update
 
 INTERPRET = pltpu.InterpretParams()
@@ -63,3 +65,30 @@ def run_update(impl, opt, dtype, *args):
       *a, optimizer=opt, dtype=dtype, interpret=INTERPRET, chunk_rows=CHUNK, window_rows=WINDOW
     )
   return jax.jit(fn)(*args)
+
+
+def assert_kernels_equal_xla(opt, dtype, dim, seed=2):
+  """A random case (`random_state`, `dense_ids`) updated and gathered by
+  the interpreted kernels and by XLA: the same table, slots and gathered
+  rows, bit for bit, and the table changed. Returns (table before,
+  slots before, the kernels' (table, slots))."""
+  rng = np.random.default_rng(seed)
+  table, slots = random_state(opt, dtype, dim, rng)
+  rows = dense_ids(rng)
+  grads = rng.normal(size=(rows.size, dim)).astype(np.float32)
+  args = (table, slots, rows, grads, opt.scalars(jnp.int32(STEP)), True)
+  want = run_update("xla", opt, dtype, *args)
+  got = run_update("pallas", opt, dtype, *args)
+  assert_same(got[0], want[0], "table")
+  assert not np.array_equal(bits(got[0]), bits(table))
+  for k in slots:
+    assert_same(got[1][k], want[1][k], f"slot {k}")
+  r = jnp.asarray(rows)
+  assert_same(
+    gather(
+      got[0], r, dtype=dtype, dim=dim, interpret=INTERPRET, chunk_rows=CHUNK, window_rows=WINDOW
+    ),
+    xla.gather(want[0], r, dtype=dtype, dim=dim),
+    "gather",
+  )
+  return table, slots, got

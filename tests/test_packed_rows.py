@@ -11,13 +11,10 @@ import pytest
 import tpu_lowering
 from interpret_races import RACES, races_found
 from kernel_cases import (
-  CHUNK,
-  INTERPRET,
   NUM_ROWS,
   STEP,
-  WINDOW,
+  assert_kernels_equal_xla,
   assert_same,
-  bits,
   dense_ids,
   random_state,
   run_update,
@@ -26,7 +23,6 @@ from kernel_cases import (
 import pallas_emb as pe
 from pallas_emb import kernels, packing
 from pallas_emb import state as state_lib
-from pallas_emb.kernels import xla
 from pallas_emb.kernels.pallas_gather import gather
 from pallas_emb.kernels.pallas_update import fused_update
 from sharding.layout import RowLayout
@@ -98,38 +94,16 @@ def test_xla_path_on_packed_state_equals_the_logical_update(opt):
     assert_same(np.asarray(packed[1][k]).reshape(plain[1][k].shape), plain[1][k], k)
 
 
-def _kernel_case(opt, dtype, dim, seed=2):
-  rng = np.random.default_rng(seed)
-  table, slots = random_state(opt, dtype, dim, rng)
-  rows = dense_ids(rng)
-  grads = rng.normal(size=(rows.size, dim)).astype(np.float32)
-  args = (table, slots, rows, grads, opt.scalars(jnp.int32(STEP)), True)
-  want = run_update("xla", opt, dtype, *args)
-  got = run_update("pallas", opt, dtype, *args)
-  assert_same(got[0], want[0], "table")
-  assert not np.array_equal(bits(got[0]), bits(table))
-  for k in slots:
-    assert_same(got[1][k], want[1][k], f"slot {k}")
-  r = jnp.asarray(rows)
-  assert_same(
-    gather(
-      got[0], r, dtype=dtype, dim=dim, interpret=INTERPRET, chunk_rows=CHUNK, window_rows=WINDOW
-    ),
-    xla.gather(want[0], r, dtype=dtype, dim=dim),
-    "gather",
-  )
-
-
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=OPT_IDS)
 def test_packed_kernels_equal_xla_d16(opt):
-  _kernel_case(opt, jnp.float32, 16)
+  assert_kernels_equal_xla(opt, jnp.float32, 16)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dim", [32, 64])
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=OPT_IDS)
 def test_packed_kernels_equal_xla_d32_d64(opt, dim):
-  _kernel_case(opt, jnp.float32, dim)
+  assert_kernels_equal_xla(opt, jnp.float32, dim)
 
 
 @pytest.mark.slow
@@ -142,7 +116,7 @@ def test_packed_kernels_equal_xla_d32_d64(opt, dim):
 def test_packed_kernels_equal_xla_bf16_and_d8(opt, dtype, dim, seed):
   # bf16 rows of 32 (16 words, 8 to a physical row) beside f32 slots (4 to
   # a physical row): each array has its own shift; f32 rows of 8: 16 to a row.
-  _kernel_case(opt, dtype, dim, seed)
+  assert_kernels_equal_xla(opt, dtype, dim, seed)
 
 
 def test_race_detector_finds_no_race_in_runs_of_a_physical_row():

@@ -19,6 +19,7 @@ from kernel_cases import (
   INTERPRET,
   STEP,
   WINDOW,
+  assert_kernels_equal_xla,
   bits,
   dense_ids,
   random_state,
@@ -29,7 +30,6 @@ import pallas_emb as pe
 from pallas_emb import kernels, packing
 from pallas_emb import state as state_lib
 from pallas_emb.kernels import xla
-from pallas_emb.kernels.pallas_gather import gather
 from pallas_emb.kernels.pallas_update import fused_update
 from sharding.layout import RowLayout
 
@@ -114,26 +114,9 @@ def test_xla_path_on_padded_state_is_the_logical_update(opt):
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=OPT_IDS)
 def test_padded_kernels_equal_xla(opt, shape):
   dtype, dim = shape
-  rng = np.random.default_rng(2)
-  table, slots = random_state(opt, dtype, dim, rng)
-  rows = dense_ids(rng)
-  grads = rng.normal(size=(rows.size, dim)).astype(np.float32)
-  args = (table, slots, rows, grads, opt.scalars(jnp.int32(STEP)), True)
-  want = run_update("xla", opt, dtype, *args)
-  got = run_update("pallas", opt, dtype, *args)
-  np.testing.assert_array_equal(bits(got[0]), bits(want[0]), err_msg="table")
-  assert not np.array_equal(bits(got[0]), bits(table))
+  table, slots, got = assert_kernels_equal_xla(opt, dtype, dim)
   words = packing.row_words(dim, dtype)
   np.testing.assert_array_equal(packing.table_rows(np.asarray(got[0]), dim, dtype)[:, words:], 0)
-  for k in slots:
-    np.testing.assert_array_equal(bits(got[1][k]), bits(want[1][k]), err_msg=f"slot {k}")
-  r = jnp.asarray(rows)
-  np.testing.assert_array_equal(
-    gather(
-      got[0], r, dtype=dtype, dim=dim, interpret=INTERPRET, chunk_rows=CHUNK, window_rows=WINDOW
-    ),
-    xla.gather(want[0], r, dtype=dtype, dim=dim),
-  )
   assert kernels.uses_kernel("pallas", jnp.asarray(table), slots, opt)
 
 
