@@ -219,6 +219,17 @@ def reshard_slots(spec: TableSpec, old: RowLayout, new: RowLayout, slots) -> dic
   }
 
 
+# Checkpoint metadata key: rows of widths that pad are stored padded
+# (`packing.padded_width`); a checkpoint without it holds them unpadded.
+PADDED_ROWS = "padded_rows"
+
+
+def saved_unpadded(meta: dict, spec: TableSpec) -> bool:
+  """Whether a checkpoint with metadata `meta` holds table `spec` unpadded
+  (written before padded storage)."""
+  return not meta.get(PADDED_ROWS) and pads(spec)
+
+
 def pads(spec: TableSpec) -> bool:
   """Whether the table or a slot of `spec` is stored padded
   (`packing.padded_width`): stored unpadded before that existed."""

@@ -5,7 +5,7 @@ the XLA code computes (tests/test_owner_step.py on random maps,
 tests/test_dynamic_vocab.py against the pure-Python reference):
 
 * `plan`: a source's buckets before the all_to_all (`key_route.buckets`):
-  a counting sort by owner, then a radix sort of each owner's keys;
+  a counting sort by owner, then a bucket sort of each owner's keys;
 * `owner_step`: an owner's step between the all_to_alls (`id_map.owner_step`):
   dedup, sweep, lookup, sketch, insertion rounds and victims, in one pass
   over the keys received; the map is updated in place (aliased).

@@ -161,9 +161,7 @@ class Checkpointer:
       # The pending update's token ids are saved (it can be applied at
       # restore); earlier checkpoints lack them.
       "pending_ids": True,
-      # Rows of widths that pad are stored padded (`packing.padded_width`);
-      # earlier checkpoints hold them unpadded.
-      "padded_rows": True,
+      state_lib.PADDED_ROWS: True,
       "extra": dict(extra or {}),
     }
     self.dir.write(step, item, meta)
@@ -266,7 +264,7 @@ class Checkpointer:
 
   def _unpadded(self, name: str, meta: dict) -> bool:
     """Whether table `name` was saved before padded storage, unpadded."""
-    return not meta.get("padded_rows") and state_lib.pads(self.trainer.emb.logical_spec(name))
+    return state_lib.saved_unpadded(meta, self.trainer.emb.logical_spec(name))
 
   def _target(self, template: TrainState, meta: dict, as_saved: bool, step: int) -> dict:
     """What orbax restores into: this mesh's shardings where the layout is

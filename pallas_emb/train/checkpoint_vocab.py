@@ -95,9 +95,7 @@ class VocabCheckpointer:
     """Writes `tables` and `vocabs` as checkpoint `step` (blocking until
     durable); `extra`: JSON-serialisable metadata (e.g. the data position)."""
     self.emb.check_on_mesh((tables, vocabs), "the tables or vocabularies")
-    # "padded_rows": rows of widths that pad are stored padded
-    # (`packing.padded_width`); earlier checkpoints hold them unpadded.
-    meta = {**self._meta(), "padded_rows": True, "extra": dict(extra or {})}
+    meta = {**self._meta(), state_lib.PADDED_ROWS: True, "extra": dict(extra or {})}
     self.dir.write(step, _item(tables, vocabs), meta)
     return step
 
@@ -160,9 +158,9 @@ class VocabCheckpointer:
 
   def _unpadded(self, meta: dict) -> list[str]:
     """The physical tables saved before padded storage, unpadded."""
-    if meta.get("padded_rows"):
-      return []
-    return [g.name for g in self.emb.groups if state_lib.pads(self.emb.table_spec(g.name))]
+    return [
+      g.name for g in self.emb.groups if state_lib.saved_unpadded(meta, self.emb.table_spec(g.name))
+    ]
 
   def _pad(self, name: str, d: dict, saved_shards: int) -> dict:
     """Table `name` read unpadded -> stored as today (host arrays, to be
