@@ -251,11 +251,10 @@ def put_rows(stored, idx, values, width: int):
   as it is or packed. A packed row's neighbours in its physical row are
   untouched: the scatter writes words, not physical rows."""
   values = padded(values.astype(stored.dtype), width)
-  if stored.shape[1] == width:
-    return stored.at[idx].set(values, mode="drop")
-  k = LANES // width
-  cols = (idx % k)[:, None] * width + jnp.arange(width)[None, :]
-  return stored.at[(idx // k)[:, None], cols].set(values, mode="drop")
+  # Row-major (N, 128) words are (N * k, width) rows: a free reshape, and a
+  # scatter of whole rows (one index each), not of (row, lane) words.
+  rows = stored.reshape(-1, width)
+  return rows.at[idx].set(values, mode="drop").reshape(stored.shape)
 
 
 def unpack_rows(words: jax.Array, dtype, dim: int | None = None) -> jax.Array:
