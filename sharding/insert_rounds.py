@@ -9,9 +9,10 @@ claim's value is round * n + rank, kept by a scatter-min in `claims`
 need no other state, and the map is written once, after them.
 
 A round costs a scatter and a gather of every key, whoever still waits, and
-the rounds run while any key has a free slot ahead. Few keys usually do (a
-full map's newcomers find no free slot at all), so when they fit a tenth of
-the keys they are gathered first and the rounds run over them alone; the
+the rounds run while any key has a free slot ahead. Few keys usually do
+after the first rounds (a full map's newcomers find no free slot at all;
+most others win one of their first lanes), so once they fit a tenth of the
+keys they are gathered and the later rounds run over them alone; the
 claims, and so every winner, are the same.
 
 Pure functions of one device's arrays, inside `jax.shard_map` or not.
@@ -37,13 +38,17 @@ def claim(slot, want, value, claims):
   return want & (claims[jnp.minimum(slot, capacity - 1)] == value), claims
 
 
-def _rounds(claims, free, w: Windows, waiting, rank, num_keys: int, probe_limit: int):
-  """(claims, slot (k,) won or -1) of rounds over k keys' (k, W) lanes."""
+def _rounds(claims, free, w: Windows, waiting, rank, num_keys: int, probe_limit: int, r0=0, few=None):
+  """(round reached, claims, slot (k,) won or -1, still waiting) of rounds
+  over k keys' (k, W) lanes from round `r0`: while any key has a free lane
+  ahead or, with `few`, while more than `few` keys do."""
   last_free = jnp.max(jnp.where(free, w.r, -1), axis=1)  # -1: nothing to claim
 
   def more(c):
     r, _, _, left = c
-    return (r < probe_limit) & jnp.any(left & (last_free >= r))
+    ahead = left & (last_free >= r)
+    go = (r < probe_limit) & jnp.any(ahead)
+    return go if few is None else go & (jnp.sum(ahead, dtype=jnp.int32) > few)
 
   def round_(c):
     r, claims, slot, left = c
@@ -53,9 +58,10 @@ def _rounds(claims, free, w: Windows, waiting, rank, num_keys: int, probe_limit:
     return r + 1, claims, jnp.where(win, s, slot), left & ~win
 
   slot = jnp.full(rank.shape, -1, jnp.int32)
-  zero = jnp.zeros((), jnp.int32)
-  _, claims, slot, _ = jax.lax.while_loop(more, round_, (zero, claims, slot, waiting))
-  return claims, slot
+  r, claims, slot, left = jax.lax.while_loop(
+    more, round_, (jnp.asarray(r0, jnp.int32), claims, slot, waiting)
+  )
+  return r, claims, slot, left & (last_free >= r)
 
 
 def insert(free, w: Windows, waiting, capacity: int, probe_limit: int):
@@ -79,18 +85,15 @@ def insert(free, w: Windows, waiting, capacity: int, probe_limit: int):
   claims = jnp.full((capacity,), UNCLAIMED, jnp.int32)
   may = waiting & jnp.any(free, axis=1)
   few = max(1, n // 10)
-
-  def all_keys(_):
-    return _rounds(claims, free, w, may, rank, n, probe_limit)
-
-  def the_few(_):
-    # Rank order kept: the i-th key that may win is at i; n pads.
-    idx = compact(may, rank, few, n)
-    valid, key = idx < n, jnp.minimum(idx, n - 1)  # a key's index is its rank
-    sub = Windows(w.pos[key], w.r[key], w.inside[key], None)
-    got, slot = _rounds(claims, free[key] & valid[:, None], sub, valid, key, n, probe_limit)
-    return got, jnp.full((n,), -1, jnp.int32).at[idx].set(slot, mode="drop")
-
   if few >= n:
-    return all_keys(None)
-  return jax.lax.cond(jnp.sum(may) <= few, the_few, all_keys, None)
+    return _rounds(claims, free, w, may, rank, n, probe_limit)[1:3]
+  # Every key's rounds while more than `few` keys may still win a slot, then
+  # the rest's, gathered (rank order kept: the i-th key left is at i, n
+  # pads; a key's index is its rank, so its claims' values are unchanged).
+  r, claims, slot, left = _rounds(claims, free, w, may, rank, n, probe_limit, few=few)
+  idx = compact(left, rank, few, n)
+  valid, key = idx < n, jnp.minimum(idx, n - 1)
+  sub = Windows(w.pos[key], w.r[key], w.inside[key], None)
+  free_sub = free[key] & valid[:, None]
+  _, claims, got, _ = _rounds(claims, free_sub, sub, valid, key, n, probe_limit, r0=r)
+  return claims, slot.at[idx].set(got, mode="drop")
