@@ -82,6 +82,20 @@ def compact(keep: jax.Array, values: jax.Array, size: int, fill) -> jax.Array:
   return out.at[at].set(values, mode="drop", unique_indices=True)
 
 
+def set_at(targets, at, values) -> tuple[jax.Array, ...]:
+  """`targets` (each (m,), 32-bit) with element at[i] of each set to
+  values[k][i] (a value broadcast to at's shape, cast to its target's
+  dtype; an index past m writes nothing), as one scatter of their stacked
+  words: a TPU scatter costs per index, nearly whatever it writes there."""
+  word = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint32)
+  stacked = jnp.stack([word(x) for x in targets])
+  new = jnp.stack(
+    [word(jnp.broadcast_to(v, at.shape).astype(x.dtype)) for x, v in zip(targets, values)]
+  )
+  out = stacked.at[:, at].set(new, mode="drop")
+  return tuple(jax.lax.bitcast_convert_type(o, x.dtype) for o, x in zip(out, targets))
+
+
 def _unique(keys, inverse, num_unique, capacity: int, **sorted_fields) -> Unique:
   """A `Unique` of `capacity` kept keys out of `num_unique` distinct ones."""
   return Unique(

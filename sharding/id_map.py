@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sharding import insert_rounds, key_route, probe_window
-from sharding.dedup import compact
+from sharding.dedup import compact, set_at
 from sharding.key_route import PAD
 from sharding.layout import RowLayout
 
@@ -170,13 +170,9 @@ def _sweep(m: IdMap, usable, *, policy, evict_every, decay, ttl):
 
 def _take(m: IdMap, slot, win, hi, lo, cnt, step, capacity) -> IdMap:
   at = jnp.where(win, slot, capacity)
-  put = lambda x, v: x.at[at].set(v, mode="drop")
-  return m._replace(
-    key_hi=put(m.key_hi, hi),
-    key_lo=put(m.key_lo, lo),
-    count=put(m.count, cnt.astype(jnp.float32)),
-    last=put(m.last, jnp.broadcast_to(step, at.shape)),
-  )
+  fields = (m.key_hi, m.key_lo, m.count, m.last)
+  key_hi, key_lo, count, last = set_at(fields, at, (hi, lo, cnt, step))
+  return m._replace(key_hi=key_hi, key_lo=key_lo, count=count, last=last)
 
 
 class OwnerStep(NamedTuple):

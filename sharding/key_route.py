@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sharding.dedup import set_at
 from sharding.route import exchange
 
 PAD = np.uint32(0xFFFFFFFF)  # both words of an empty slot (and of padding)
@@ -109,12 +110,23 @@ def buckets(hi: jax.Array, lo: jax.Array, valid: jax.Array, *, num_shards: int, 
   fits = has & (position < capacity)
   slot = jnp.where(fits, so * capacity + position, -1)
   at = jnp.where(new & fits, slot, slots)
-  send = lambda v, fill: jnp.full((slots,), fill, v.dtype).at[at].set(v, mode="drop")
-  count = jax.ops.segment_sum(
-    fits.astype(jnp.int32), jnp.where(fits, slot, slots), num_segments=slots
+  # A key's occurrences: the length of its run (a key fits or not whole).
+  occurrences = _run_totals(new | ~has, jnp.ones((t,), jnp.int32))
+  pad = jnp.full((slots,), PAD, jnp.uint32)
+  send_hi, send_lo, count = set_at(
+    (pad, pad, jnp.zeros((slots,), jnp.int32)), at, (sh, sl, occurrences)
   )
   token_slot = jnp.zeros((t,), jnp.int32).at[sidx].set(slot, unique_indices=True)
-  return token_slot, send(sh, PAD), send(sl, PAD), count
+  return token_slot, send_hi, send_lo, count
+
+
+def _run_totals(starts, values):
+  """(n,) the sum of `values` (int32, >= 0) over the run that begins at
+  each place (its run: up to the next place in `starts`, (n,) bool)."""
+  total = jnp.cumsum(values)  # ascending: the nearest run end has the least
+  ends = jnp.concatenate([starts[1:], jnp.ones((1,), bool)])
+  to_end = jax.lax.cummin(jnp.where(ends, total, jnp.iinfo(jnp.int32).max), reverse=True)
+  return to_end - total + values
 
 
 def answer(route: KeyRoute, values: jax.Array, *, axis_name, fill) -> jax.Array:
@@ -143,9 +155,9 @@ def distinct(hi: jax.Array, lo: jax.Array, count: jax.Array):
   new = sown & first
   uid = jnp.where(sown, jnp.cumsum(new, dtype=jnp.int32) - 1, -1)
   at = jnp.where(new, uid, n)
-  u_hi = jnp.zeros((n,), jnp.uint32).at[at].set(sh, mode="drop")
-  u_lo = jnp.zeros((n,), jnp.uint32).at[at].set(sl, mode="drop")
-  u_count = jax.ops.segment_sum(jnp.where(sown, scount, 0), jnp.where(sown, uid, n), num_segments=n)
+  occurrences = _run_totals(new | ~sown, jnp.where(sown, scount, 0))
+  zeros = jnp.zeros((n,), jnp.uint32)
+  u_hi, u_lo, u_count = set_at((zeros, zeros, zeros.astype(jnp.int32)), at, (sh, sl, occurrences))
   u_valid = idx < jnp.sum(new, dtype=jnp.int32)
   slot_uid = jnp.zeros((n,), jnp.int32).at[sidx].set(uid, unique_indices=True)
   return u_hi, u_lo, u_count, u_valid, slot_uid
