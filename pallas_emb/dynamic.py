@@ -99,16 +99,6 @@ def init_state(t: ShardedTable, key: jax.Array) -> VocabState:
 _INIT_CHUNK = 256
 
 
-def _fmix32(x):
-  """MurmurHash3's 32-bit finalizer: a bijection of uint32 that mixes
-  every input bit into every output bit."""
-  x ^= x >> 16
-  x *= np.uint32(0x85EBCA6B)
-  x ^= x >> 13
-  x *= np.uint32(0xC2B2AE35)
-  return x ^ (x >> 16)
-
-
 def new_row_keys(key: jax.Array, rows: jax.Array, step) -> jax.Array:
   """(n, 2) uint32 threefry key data of rows given a new id at map step
   `step`: `key` (2,) uint32 (`VocabState.key`), `rows` (n,) int32 logical
@@ -118,9 +108,9 @@ def new_row_keys(key: jax.Array, rows: jax.Array, step) -> jax.Array:
   its own, and a step's new rows would pay for two of them beside the draw.
   The draw itself goes through `pallas_emb.threefry.IMPL`: the bits of a
   default threefry key with this data, in one fused loop on CPU."""
-  r = _fmix32(rows.astype(jnp.uint32) ^ key[0])
+  r = packing.fmix32(rows.astype(jnp.uint32) ^ key[0])
   t = jnp.asarray(step).astype(jnp.uint32) * np.uint32(0x9E3779B9)
-  return jnp.stack([r, _fmix32(_fmix32(key[1] ^ t) ^ r)], axis=-1)
+  return jnp.stack([r, packing.fmix32(packing.fmix32(key[1] ^ t) ^ r)], axis=-1)
 
 
 def _reset(t: ShardedTable, table, slots, reset, key, step):

@@ -272,9 +272,9 @@ def unpack_rows(words: jax.Array, dtype, dim: int | None = None) -> jax.Array:
   return jnp.concatenate([lo, hi], axis=-1)
 
 
-def _mix(h: jax.Array) -> jax.Array:
-  """MurmurHash3's 32-bit finalizer: every input bit flips each output bit
-  with probability about 1/2."""
+def fmix32(h: jax.Array) -> jax.Array:
+  """MurmurHash3's 32-bit finalizer, a bijection of uint32: every input bit
+  flips each output bit with probability about 1/2."""
   h = h ^ (h >> 16)
   h = h * jnp.uint32(0x85EBCA6B)
   h = h ^ (h >> 13)
@@ -287,7 +287,9 @@ def rounding_key(seed: int, step: jax.Array, shard: jax.Array | int = 0) -> jax.
   `seed` (0 <= seed < 2**32) at `step` on `shard` (int32 scalars, traced or
   not; a replicated table's copies use one shard, 0)."""
   as_u32 = lambda x: jnp.asarray(x).astype(jnp.uint32).reshape(())
-  return _mix(_mix(_mix(jnp.uint32(seed) ^ jnp.uint32(0x9E3779B9)) + as_u32(step)) + as_u32(shard))
+  return fmix32(
+    fmix32(fmix32(jnp.uint32(seed) ^ jnp.uint32(0x9E3779B9)) + as_u32(step)) + as_u32(shard)
+  )
 
 
 def rounding_noise(key: jax.Array, rows: jax.Array, dim: int) -> jax.Array:
@@ -295,7 +297,7 @@ def rounding_noise(key: jax.Array, rows: jax.Array, dim: int) -> jax.Array:
   bits are uniform and independent across rows, columns and keys."""
   rows = rows.reshape(-1, 1).astype(jnp.uint32)
   cols = jax.lax.broadcasted_iota(jnp.uint32, (1, dim), 1)
-  return _mix(_mix(key + rows * jnp.uint32(0x9E3779B9)) + cols * jnp.uint32(0x85EBCA6B))
+  return fmix32(fmix32(key + rows * jnp.uint32(0x9E3779B9)) + cols * jnp.uint32(0x85EBCA6B))
 
 
 def _bf16_bits(x: jax.Array, noise: jax.Array | None = None) -> jax.Array:

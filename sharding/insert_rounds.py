@@ -38,7 +38,9 @@ def claim(slot, want, value, claims):
   return want & (claims[jnp.minimum(slot, capacity - 1)] == value), claims
 
 
-def _rounds(claims, free, w: Windows, waiting, rank, num_keys: int, probe_limit: int, r0=0, few=None):
+def _rounds(
+  claims, free, w: Windows, waiting, rank, num_keys: int, probe_limit: int, r0=0, few=None
+):
   """(round reached, claims, slot (k,) won or -1, still waiting) of rounds
   over k keys' (k, W) lanes from round `r0`: while any key has a free lane
   ahead or, with `few`, while more than `few` keys do."""

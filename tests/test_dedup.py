@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sharding.dedup import PAD_ID, dedup, unique_keys
+from sharding.dedup import PAD_ID, dedup, set_at, unique_keys
 from sharding.layout import SENTINEL, RowLayout
 
 # Both ways of finding each id's slot must give the same result.
@@ -80,3 +80,28 @@ def test_unique_keys_validates():
     unique_keys(jnp.zeros((4,), jnp.int32), 0)
   with pytest.raises(ValueError, match="method must be one of"):
     unique_keys(jnp.zeros((4,), jnp.int32), 4, "hash")
+
+
+def test_set_at_is_one_scatter_per_target():
+  # Several arrays of different 32-bit dtypes set at the same indices, a
+  # scalar broadcast, and indices past the end dropped: what a scatter per
+  # array gives.
+  rng = np.random.default_rng(0)
+  m, n = 50, 20
+  targets = (
+    jnp.asarray(rng.integers(0, 2**32, m, dtype=np.uint64).astype(np.uint32)),
+    jnp.asarray(rng.standard_normal(m).astype(np.float32)),
+    jnp.asarray(rng.integers(-5, 5, m).astype(np.int32)),
+  )
+  # The last element is never set: a clipped index would land there.
+  at = jnp.asarray(np.where(rng.random(n) < 0.7, rng.permutation(m - 1)[:n], m + 3), jnp.int32)
+  values = (
+    jnp.asarray(rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)),
+    jnp.asarray(rng.integers(0, 100, n).astype(np.int32)),  # cast to float32
+    jnp.int32(7),
+  )
+  got = jax.jit(set_at)(targets, at, values)
+  for g, x, v in zip(got, targets, values):
+    want = x.at[at].set(jnp.broadcast_to(v, at.shape).astype(x.dtype), mode="drop")
+    assert g.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(want))

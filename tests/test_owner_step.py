@@ -164,3 +164,27 @@ def test_native_scalar_and_vector_scans_give_the_same_bits():
     check=True,
   )
   assert out.stdout.strip().splitlines()[-1] == here.hexdigest()
+
+
+def test_distinct_sums_each_keys_counts():
+  # `key_route.distinct` against NumPy: sorted distinct keys, their counts
+  # summed over every slot that received them, empty slots ignored.
+  rng = np.random.default_rng(3)
+  n = 64
+  keys = rng.integers(0, 2**32, (12, 2), dtype=np.uint64).astype(np.uint32)
+  pick = rng.integers(0, 12, n)
+  hi, lo = keys[pick, 0], keys[pick, 1]
+  count = np.where(rng.random(n) < 0.3, 0, rng.integers(1, 9, n)).astype(np.int32)
+  u_hi, u_lo, u_count, u_valid, slot_uid = map(
+    np.asarray, jax.jit(key_route.distinct)(hi, lo, count)
+  )
+  live = count > 0
+  want = sorted({(int(h), int(l)) for h, l in zip(hi[live], lo[live])})
+  k = len(want)
+  assert u_valid.sum() == k and u_valid[:k].all()
+  np.testing.assert_array_equal(np.stack([u_hi[:k], u_lo[:k]], 1), np.array(want, np.uint32))
+  for u, (h, l) in enumerate(want):
+    mine = live & (hi == h) & (lo == l)
+    assert u_count[u] == count[mine].sum()
+    assert (slot_uid[mine] == u).all()
+  assert (slot_uid[~live] == -1).all()
