@@ -381,12 +381,19 @@ def test_weighted_and_ragged_inputs_take_rows_like_padded_ids():
   np.testing.assert_array_equal(emb.lookup(tables, ragged)[0]["f"], want)
 
 
+@pytest.mark.parametrize("chunk", [None, 2])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("num_devices", [1, 2])
-def test_new_rows_start_from_the_initializer_with_fresh_slots(num_devices, backend):
+def test_new_rows_start_from_the_initializer_with_fresh_slots(
+  num_devices, backend, chunk, monkeypatch
+):
   """Every row given a new id (empty before, or evicted and reused after
   training moved it) holds the documented initial draw, and its slots
-  their initial values, when `admit` returns."""
+  their initial values, when `admit` returns. `chunk`: new rows drawn 2 at
+  a time (a step's 5 in 3 chunks), or as many as this platform draws."""
+  if chunk is not None:
+    monkeypatch.setattr(dynamic, "_INIT_CHUNK_DEFAULT", chunk)
+    jax.clear_caches()  # admit's program is cached by its table
   init = lambda key, shape, dtype=jnp.float32: jax.random.normal(key, shape, dtype)
   vocab = DynamicVocabulary(policy="lru", probe_limit=4)
   spec = pe.TableSpec("t", 16, 8, vocabulary=vocab, optimizer=pe.Adagrad(0.1), initializer=init)
