@@ -86,7 +86,8 @@ def set_at(targets, at, values) -> tuple[jax.Array, ...]:
   """`targets` (each (m,), 32-bit) with element at[i] of each set to
   values[k][i] (a value broadcast to at's shape, cast to its target's
   dtype; an index past m writes nothing), as one scatter of their stacked
-  words: a TPU scatter costs per index, nearly whatever it writes there."""
+  words: a TPU scatter costs per index, nearly whatever it writes there.
+  The stack is a copy: for per-key arrays, not for a table-sized one."""
   word = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint32)
   stacked = jnp.stack([word(x) for x in targets])
   new = jnp.stack(

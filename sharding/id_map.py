@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sharding import insert_rounds, key_route, probe_window
-from sharding.dedup import compact, set_at
+from sharding.dedup import compact
 from sharding.key_route import PAD
 from sharding.layout import RowLayout
 
@@ -138,20 +138,23 @@ def init_map(num_shards: int, capacity: int, depth: int, width: int) -> IdMap:
 
 
 def _victims(last, count, inside, step, *, policy: str, ttl):
-  """(has, lane) the policy's victim in each window, from the windows'
-  (n, W) `last` and `count`: the lane of the least count (lfu) / least
-  recent step, ties to the earlier place in the window (lanes are in window
-  order)."""
+  """(has, lane, least) the policy's victim in each window, from the
+  windows' (n, W) `last` and `count`: the lane of the least count (lfu) /
+  least recent step, ties to the earlier place in the window (lanes are in
+  window order); `least` (lfu) the victim's count, read here rather than
+  gathered from `count` by lane."""
   ok = inside & (last >= 0) & (last < step - 1)
   if policy == "ttl":
     ok &= step - last >= ttl
-  tie = ok
+  tie, least = ok, None
   if policy == "lfu":
     c = jnp.where(ok, count, jnp.inf)
-    tie = ok & (c == jnp.min(c, axis=1, keepdims=True))
+    least = jnp.min(c, axis=1, keepdims=True)
+    tie = ok & (c == least)
   lst = jnp.where(tie, last, np.iinfo(np.int32).max)
   tie &= lst == jnp.min(lst, axis=1, keepdims=True)
-  return jnp.any(ok, axis=1), jnp.argmax(tie, axis=1).astype(jnp.int32)
+  has, lane = jnp.any(ok, axis=1), jnp.argmax(tie, axis=1).astype(jnp.int32)
+  return has, lane, None if least is None else least[:, 0]
 
 
 def _sweep(m: IdMap, usable, *, policy, evict_every, decay, ttl):
@@ -170,9 +173,15 @@ def _sweep(m: IdMap, usable, *, policy, evict_every, decay, ttl):
 
 def _take(m: IdMap, slot, win, hi, lo, cnt, step, capacity) -> IdMap:
   at = jnp.where(win, slot, capacity)
-  fields = (m.key_hi, m.key_lo, m.count, m.last)
-  key_hi, key_lo, count, last = set_at(fields, at, (hi, lo, cnt, step))
-  return m._replace(key_hi=key_hi, key_lo=key_lo, count=count, last=last)
+  # One scatter per array: stacked (`sharding.dedup.set_at`), the map's
+  # arrays were copied whole (v5e:2x2 pod_check: +80 MiB temp per chip).
+  put = lambda x, v: x.at[at].set(v, mode="drop")
+  return m._replace(
+    key_hi=put(m.key_hi, hi),
+    key_lo=put(m.key_lo, lo),
+    count=put(m.count, cnt.astype(jnp.float32)),
+    last=put(m.last, jnp.broadcast_to(step, at.shape)),
+  )
 
 
 class OwnerStep(NamedTuple):
@@ -272,17 +281,16 @@ def owner_step(
     # end): a slot is free if it was at the step's start and no round has
     # claimed it; a victim must have been used, not in this step or the last.
     last = read(m.last)
-    free = w.inside & (last < 0) & read(usable)
-    claims, won = insert_rounds.insert(free, w, admitted, capacity, probe_limit)
+    free = probe_window.window_bits(w, (last < 0) & read(usable), probe_limit)
+    claims, won = insert_rounds.insert(free, home, admitted, capacity, probe_limit)
     slot = jnp.where(won >= 0, won, slot)
     left = admitted & (won < 0)
     if evict_on_insert:
       count = read(m.count)
-      has, lane = _victims(last, count, w.inside, step, policy=policy, ttl=ttl)
-      at_victim = lambda x: jnp.take_along_axis(x, lane[:, None], axis=1)[:, 0]
-      s = at_victim(w.pos)
+      has, lane, least = _victims(last, count, w.inside, step, policy=policy, ttl=ttl)
+      s = probe_window.slot_of(w, lane, capacity)
       if policy == "lfu":  # a one-off never pushes out a more frequent id
-        has &= at_victim(count) <= estimate.astype(jnp.float32)
+        has &= least <= estimate.astype(jnp.float32)
       win, _ = insert_rounds.claim(s, left & has, probe_limit * n + rank, claims)
       slot = jnp.where(win, s, slot)
       left &= ~win

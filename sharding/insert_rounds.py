@@ -8,7 +8,10 @@ claim's value is round * n + rank, kept by a scatter-min in `claims`
 (capacity,): a slot's earlier claim keeps the smaller value, so the rounds
 need no other state, and the map is written once, after them.
 
-A round costs a scatter and a gather of every key, whoever still waits, and
+A key's window reaches the rounds as bits (`probe_window.window_bits`): a
+round reads one word per key, not the key's W lanes, and nothing (n, W)
+wide lives through the loop. A round costs a scatter and a gather of every
+key, whoever still waits, and
 the rounds run while any key has a free slot ahead. Few keys usually do
 after the first rounds (a full map's newcomers find no free slot at all;
 most others win one of their first lanes), so once they fit a tenth of the
@@ -20,12 +23,13 @@ Pure functions of one device's arrays, inside `jax.shard_map` or not.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from sharding.dedup import compact
-from sharding.probe_window import Windows
 
 UNCLAIMED = np.iinfo(np.int32).max
 
@@ -38,13 +42,22 @@ def claim(slot, want, value, claims):
   return want & (claims[jnp.minimum(slot, capacity - 1)] == value), claims
 
 
-def _rounds(
-  claims, free, w: Windows, waiting, rank, num_keys: int, probe_limit: int, r0=0, few=None
-):
+def _last_bit(bits):
+  """(n,) the highest r whose bit is set in (n, words) `bits`, -1 for none."""
+  top = [
+    jnp.where(b != 0, 32 * k + 31 - jax.lax.clz(b).astype(jnp.int32), -1)
+    for k, b in enumerate(bits.T)
+  ]
+  return functools.reduce(jnp.maximum, top)
+
+
+def _rounds(claims, free, home, waiting, rank, num_keys: int, probe_limit: int, r0=0, few=None):
   """(round reached, claims, slot (k,) won or -1, still waiting) of rounds
-  over k keys' (k, W) lanes from round `r0`: while any key has a free lane
-  ahead or, with `few`, while more than `few` keys do."""
-  last_free = jnp.max(jnp.where(free, w.r, -1), axis=1)  # -1: nothing to claim
+  over k keys (`free`: their (k, words) window bits, `home` their home
+  slots) from round `r0`: while any key has a free slot ahead or, with
+  `few`, while more than `few` keys do."""
+  capacity = claims.shape[0]
+  last_free = _last_bit(free)  # -1: nothing to claim
 
   def more(c):
     r, _, _, left = c
@@ -54,9 +67,11 @@ def _rounds(
 
   def round_(c):
     r, claims, slot, left = c
-    here = w.r == r
-    s = jnp.sum(jnp.where(here, w.pos, 0), axis=1)
-    win, claims = claim(s, left & jnp.any(free & here, axis=1), r * num_keys + rank, claims)
+    word = jax.lax.dynamic_index_in_dim(free, r // 32, axis=1, keepdims=False)
+    has = (word >> (r % 32).astype(jnp.uint32)) & 1 == 1
+    s = home + r
+    s = jnp.where(s >= capacity, s - capacity, s)
+    win, claims = claim(s, left & has, r * num_keys + rank, claims)
     return r + 1, claims, jnp.where(win, s, slot), left & ~win
 
   slot = jnp.full(rank.shape, -1, jnp.int32)
@@ -66,12 +81,14 @@ def _rounds(
   return r, claims, slot, left & (last_free >= r)
 
 
-def insert(free, w: Windows, waiting, capacity: int, probe_limit: int):
+def insert(free, home, waiting, capacity: int, probe_limit: int):
   """The rounds of one step.
 
   Args:
-    free: (n, W) bool the lanes whose slot is free at the step's start.
-    w: the keys' probe windows (`sharding.probe_window`).
+    free: (n, ceil(probe_limit / 32)) uint32 each key's window slots free at
+      the step's start, as bits (`sharding.probe_window.window_bits`).
+    home: (n,) int32 each key's home slot (its window's slot r is home + r,
+      wrapping).
     waiting: (n,) bool the keys to insert (admitted, not resident).
     capacity: the map's slots.
     probe_limit: the rounds (the window's length).
@@ -85,17 +102,16 @@ def insert(free, w: Windows, waiting, capacity: int, probe_limit: int):
     raise ValueError(f"(probe_limit + 1) * keys = {(probe_limit + 1) * n} must fit int32.")
   rank = jnp.arange(n, dtype=jnp.int32)
   claims = jnp.full((capacity,), UNCLAIMED, jnp.int32)
-  may = waiting & jnp.any(free, axis=1)
+  may = waiting & jnp.any(free != 0, axis=1)
   few = max(1, n // 10)
   if few >= n:
-    return _rounds(claims, free, w, may, rank, n, probe_limit)[1:3]
+    return _rounds(claims, free, home, may, rank, n, probe_limit)[1:3]
   # Every key's rounds while more than `few` keys may still win a slot, then
   # the rest's, gathered (rank order kept: the i-th key left is at i, n
   # pads; a key's index is its rank, so its claims' values are unchanged).
-  r, claims, slot, left = _rounds(claims, free, w, may, rank, n, probe_limit, few=few)
+  r, claims, slot, left = _rounds(claims, free, home, may, rank, n, probe_limit, few=few)
   idx = compact(left, rank, few, n)
   valid, key = idx < n, jnp.minimum(idx, n - 1)
-  sub = Windows(w.pos[key], w.r[key], w.inside[key], None)
-  free_sub = free[key] & valid[:, None]
-  _, claims, got, _ = _rounds(claims, free_sub, sub, valid, key, n, probe_limit, r0=r)
+  sub_free = jnp.where(valid[:, None], free[key], 0)
+  _, claims, got, _ = _rounds(claims, sub_free, home[key], valid, key, n, probe_limit, r0=r)
   return claims, slot.at[idx].set(got, mode="drop")

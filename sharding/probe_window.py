@@ -82,3 +82,31 @@ def read(w: Windows, x: jax.Array) -> jax.Array:
     return x[w.pos]
   by_row = x.reshape(-1, LANES)
   return jnp.concatenate([by_row[w.rows[:, 0]], by_row[w.rows[:, 1]]], axis=1)
+
+
+def window_bits(w: Windows, x: jax.Array, probe_limit: int) -> jax.Array:
+  """(n, ceil(probe_limit / 32)) uint32: bit r % 32 of word r // 32 is `x`
+  (n, W) bool at the lane holding each key's r-th window slot. The rounds
+  of `sharding.insert_rounds` read a window this way, one key's word at a
+  time, instead of all W lanes every round."""
+  words = -(-probe_limit // 32)
+  bit = jnp.left_shift(jnp.uint32(1), (w.r % 32).astype(jnp.uint32))
+  on = x & w.inside
+  return jnp.stack(
+    [
+      jnp.sum(jnp.where(on & (w.r // 32 == k), bit, 0), axis=1, dtype=jnp.uint32)
+      for k in range(words)
+    ],
+    axis=1,
+  )
+
+
+def slot_of(w: Windows, lane: jax.Array, capacity: int) -> jax.Array:
+  """(n,) int32 the map slot of each key's `lane` (n,) int32, computed
+  from the window's rows or home rather than gathered from `w.pos`
+  (which would then be kept whole, (n, W))."""
+  if w.rows is None:
+    s = w.pos[:, 0] + lane  # the home slot, plus the lane's place
+    return jnp.where(s >= capacity, s - capacity, s)
+  row = jnp.where(lane < LANES, w.rows[:, 0], w.rows[:, 1])
+  return row * LANES + lane % LANES
