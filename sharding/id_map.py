@@ -173,8 +173,8 @@ def _sweep(m: IdMap, usable, *, policy, evict_every, decay, ttl):
 
 def _take(m: IdMap, slot, win, hi, lo, cnt, step, capacity) -> IdMap:
   at = jnp.where(win, slot, capacity)
-  # One scatter per array: stacked (`sharding.dedup.set_at`), the map's
-  # arrays were copied whole (v5e:2x2 pod_check: +80 MiB temp per chip).
+  # A scatter per array, not one of the arrays stacked (`dedup.set_at`):
+  # the stack copies the map (v5e:2x2 pod_check: +80 MiB temp per chip).
   put = lambda x, v: x.at[at].set(v, mode="drop")
   return m._replace(
     key_hi=put(m.key_hi, hi),

@@ -11,12 +11,11 @@ need no other state, and the map is written once, after them.
 A key's window reaches the rounds as bits (`probe_window.window_bits`): a
 round reads one word per key, not the key's W lanes, and nothing (n, W)
 wide lives through the loop. A round costs a scatter and a gather of every
-key, whoever still waits, and
-the rounds run while any key has a free slot ahead. Few keys usually do
-after the first rounds (a full map's newcomers find no free slot at all;
-most others win one of their first lanes), so once they fit a tenth of the
-keys they are gathered and the later rounds run over them alone; the
-claims, and so every winner, are the same.
+key, whoever still waits, and the rounds run while any key has a free slot
+ahead. Few keys usually do after the first rounds (a full map's newcomers
+find no free slot at all; most others win one of their first lanes), so
+once they fit a tenth of the keys they are gathered and the later rounds
+run over them alone; the claims, and so every winner, are the same.
 
 Pure functions of one device's arrays, inside `jax.shard_map` or not.
 """
