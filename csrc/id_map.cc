@@ -33,6 +33,7 @@
 #include <utility>
 #include <vector>
 
+#include "id_map_core.h"
 #include "keyed_sort.h"
 #include "probe_window.h"
 #include "xla/ffi/api/ffi.h"
@@ -59,22 +60,12 @@ struct Scratch {
 };
 thread_local Scratch tl_scratch;
 
-ffi::Error KeyPlan(ffi::Buffer<ffi::U32> hi_buf, ffi::Buffer<ffi::U32> lo_buf,
-                   ffi::Buffer<ffi::PRED> valid_buf, int64_t num_shards, int64_t capacity,
-                   ffi::ResultBuffer<ffi::S32> token_slot_buf,
-                   ffi::ResultBuffer<ffi::U32> send_hi_buf,
-                   ffi::ResultBuffer<ffi::U32> send_lo_buf,
-                   ffi::ResultBuffer<ffi::S32> send_count_buf) {
-  const int64_t t = hi_buf.element_count(), slots = num_shards * capacity;
-  if (num_shards < 1 || capacity < 1 || send_hi_buf->element_count() != size_t(slots))
-    return ffi::Error::InvalidArgument("PeKeyPlan: send buffers must hold num_shards * capacity");
-  const uint32_t* hi = hi_buf.typed_data();
-  const uint32_t* lo = lo_buf.typed_data();
-  const bool* valid = valid_buf.typed_data();
-  int32_t* token_slot = token_slot_buf->typed_data();
-  uint32_t* send_hi = send_hi_buf->typed_data();
-  uint32_t* send_lo = send_lo_buf->typed_data();
-  int32_t* send_count = send_count_buf->typed_data();
+}  // namespace
+
+void PlanKeys(const uint32_t* hi, const uint32_t* lo, const bool* valid, int64_t t,
+              int64_t num_shards, int64_t capacity, int32_t* token_slot, uint32_t* send_hi,
+              uint32_t* send_lo, int32_t* send_count) {
+  const int64_t slots = num_shards * capacity;
   std::fill(token_slot, token_slot + t, -1);
   std::fill(send_hi, send_hi + slots, kPad);
   std::fill(send_lo, send_lo + slots, kPad);
@@ -107,6 +98,22 @@ ffi::Error KeyPlan(ffi::Buffer<ffi::U32> hi_buf, ffi::Buffer<ffi::U32> lo_buf,
       token_slot[e->index] = int32_t(slot);
     }
   }
+}
+
+namespace {
+
+ffi::Error KeyPlan(ffi::Buffer<ffi::U32> hi_buf, ffi::Buffer<ffi::U32> lo_buf,
+                   ffi::Buffer<ffi::PRED> valid_buf, int64_t num_shards, int64_t capacity,
+                   ffi::ResultBuffer<ffi::S32> token_slot_buf,
+                   ffi::ResultBuffer<ffi::U32> send_hi_buf,
+                   ffi::ResultBuffer<ffi::U32> send_lo_buf,
+                   ffi::ResultBuffer<ffi::S32> send_count_buf) {
+  if (num_shards < 1 || capacity < 1 ||
+      send_hi_buf->element_count() != size_t(num_shards * capacity))
+    return ffi::Error::InvalidArgument("PeKeyPlan: send buffers must hold num_shards * capacity");
+  PlanKeys(hi_buf.typed_data(), lo_buf.typed_data(), valid_buf.typed_data(),
+           hi_buf.element_count(), num_shards, capacity, token_slot_buf->typed_data(),
+           send_hi_buf->typed_data(), send_lo_buf->typed_data(), send_count_buf->typed_data());
   return ffi::Error::Success();
 }
 
@@ -117,48 +124,22 @@ uint32_t SketchCell(uint32_t hi, uint32_t lo, uint32_t d, uint32_t width) {
   return x % width;
 }
 
-// The output buffer of a map array, holding the input's values (XLA aliases
-// them when it can; otherwise this copies).
-template <ffi::DataType D>
-auto* Carry(ffi::Buffer<D>& in, ffi::ResultBuffer<D>& out) {
-  auto* dst = out->typed_data();
-  if (dst != in.typed_data())
-    std::memcpy(dst, in.typed_data(), in.element_count() * sizeof(*dst));
-  return dst;
-}
+}  // namespace
 
-ffi::Error IdMapStep(ffi::Buffer<ffi::U32> key_hi_in, ffi::Buffer<ffi::U32> key_lo_in,
-                     ffi::Buffer<ffi::F32> count_in, ffi::Buffer<ffi::S32> last_in,
-                     ffi::Buffer<ffi::S32> sketch_in, ffi::BufferR0<ffi::S32> step_in,
-                     ffi::Buffer<ffi::U32> recv_hi_buf, ffi::Buffer<ffi::U32> recv_lo_buf,
-                     ffi::Buffer<ffi::S32> recv_count_buf, ffi::Buffer<ffi::PRED> usable_buf,
-                     int64_t probe_limit, int64_t admit_after, int64_t policy,
-                     bool evict_on_insert, int64_t evict_every, float decay, int64_t ttl,
-                     bool train, ffi::ResultBuffer<ffi::U32> key_hi_out,
-                     ffi::ResultBuffer<ffi::U32> key_lo_out, ffi::ResultBuffer<ffi::F32> count_out,
-                     ffi::ResultBuffer<ffi::S32> last_out, ffi::ResultBuffer<ffi::S32> sketch_out,
-                     ffi::ResultBufferR0<ffi::S32> step_out, ffi::ResultBuffer<ffi::S32> slot_buf,
-                     ffi::ResultBuffer<ffi::S32> slot_uid_buf,
-                     ffi::ResultBuffer<ffi::S32> reset_buf, ffi::ResultBuffer<ffi::S32> stats_buf) {
-  const int64_t cap = key_hi_in.element_count(), n = recv_hi_buf.element_count();
-  if (probe_limit < 1 || probe_limit > cap)
-    return ffi::Error::InvalidArgument("PeIdMapStep: probe_limit must be in [1, capacity]");
-  const auto dims = sketch_in.dimensions();
-  const int64_t depth = admit_after > 1 ? dims[0] : 0, width = dims[1];
-  uint32_t* key_hi = Carry(key_hi_in, key_hi_out);
-  uint32_t* key_lo = Carry(key_lo_in, key_lo_out);
-  float* count = Carry(count_in, count_out);
-  int32_t* last = Carry(last_in, last_out);
-  int32_t* sketch = Carry(sketch_in, sketch_out);
-  const int32_t step = *step_in.typed_data();
-  const uint32_t* recv_hi = recv_hi_buf.typed_data();
-  const uint32_t* recv_lo = recv_lo_buf.typed_data();
-  const int32_t* recv_count = recv_count_buf.typed_data();
-  const bool* usable = usable_buf.typed_data();
-  int32_t* slot = slot_buf->typed_data();
-  int32_t* slot_uid = slot_uid_buf->typed_data();
-  int32_t* reset = reset_buf->typed_data();
-  int32_t* stats = stats_buf->typed_data();
+int32_t StepMap(const MapArrays& map, int32_t step, const uint32_t* recv_hi,
+                const uint32_t* recv_lo, const int32_t* recv_count, int64_t n,
+                const bool* usable, const StepPolicy& p, int32_t* slot, int32_t* slot_uid,
+                int32_t* reset, int32_t* stats) {
+  uint32_t* key_hi = map.key_hi;
+  uint32_t* key_lo = map.key_lo;
+  float* count = map.count;
+  int32_t* last = map.last;
+  int32_t* sketch = map.sketch;
+  const int64_t cap = map.cap, depth = map.depth, width = map.width;
+  const int64_t probe_limit = p.probe_limit, admit_after = p.admit_after, policy = p.policy;
+  const bool evict_on_insert = p.evict_on_insert, train = p.train;
+  const int64_t evict_every = p.evict_every, ttl = p.ttl;
+  const float decay = p.decay;
   std::fill(slot, slot + n, -1);
   std::fill(slot_uid, slot_uid + n, -1);
   std::fill(reset, reset + n, -1);
@@ -230,8 +211,7 @@ ffi::Error IdMapStep(ffi::Buffer<ffi::U32> key_hi_in, ffi::Buffer<ffi::U32> key_
   for (int64_t u = 0; u < nu; ++u) slot[u] = windows.Find(s.home[u], s.u_hi[u], s.u_lo[u]);
   if (!train) {
     std::fill(stats, stats + 4, 0);
-    *step_out->typed_data() = step;
-    return ffi::Error::Success();
+    return step;
   }
   s.left.assign(nu, 0);
   s.estimate.assign(nu, 0);
@@ -310,7 +290,39 @@ ffi::Error IdMapStep(ffi::Buffer<ffi::U32> key_hi_in, ffi::Buffer<ffi::U32> key_
   stats[1] = inserted;
   stats[2] = not_admitted;
   stats[3] = failed;
-  *step_out->typed_data() = step + 1;
+  return step + 1;
+}
+
+namespace {
+
+ffi::Error IdMapStep(ffi::Buffer<ffi::U32> key_hi_in, ffi::Buffer<ffi::U32> key_lo_in,
+                     ffi::Buffer<ffi::F32> count_in, ffi::Buffer<ffi::S32> last_in,
+                     ffi::Buffer<ffi::S32> sketch_in, ffi::BufferR0<ffi::S32> step_in,
+                     ffi::Buffer<ffi::U32> recv_hi_buf, ffi::Buffer<ffi::U32> recv_lo_buf,
+                     ffi::Buffer<ffi::S32> recv_count_buf, ffi::Buffer<ffi::PRED> usable_buf,
+                     int64_t probe_limit, int64_t admit_after, int64_t policy,
+                     bool evict_on_insert, int64_t evict_every, float decay, int64_t ttl,
+                     bool train, ffi::ResultBuffer<ffi::U32> key_hi_out,
+                     ffi::ResultBuffer<ffi::U32> key_lo_out, ffi::ResultBuffer<ffi::F32> count_out,
+                     ffi::ResultBuffer<ffi::S32> last_out, ffi::ResultBuffer<ffi::S32> sketch_out,
+                     ffi::ResultBufferR0<ffi::S32> step_out, ffi::ResultBuffer<ffi::S32> slot_buf,
+                     ffi::ResultBuffer<ffi::S32> slot_uid_buf,
+                     ffi::ResultBuffer<ffi::S32> reset_buf, ffi::ResultBuffer<ffi::S32> stats_buf) {
+  const int64_t cap = key_hi_in.element_count();
+  if (probe_limit < 1 || probe_limit > cap)
+    return ffi::Error::InvalidArgument("PeIdMapStep: probe_limit must be in [1, capacity]");
+  const auto dims = sketch_in.dimensions();
+  const MapArrays map{Carry(key_hi_in, key_hi_out), Carry(key_lo_in, key_lo_out),
+                      Carry(count_in, count_out),   Carry(last_in, last_out),
+                      Carry(sketch_in, sketch_out), cap,
+                      admit_after > 1 ? dims[0] : 0, dims[1]};
+  const StepPolicy p{probe_limit, admit_after, policy, evict_on_insert,
+                     evict_every, decay,       ttl,    train};
+  *step_out->typed_data() =
+      StepMap(map, *step_in.typed_data(), recv_hi_buf.typed_data(), recv_lo_buf.typed_data(),
+              recv_count_buf.typed_data(), recv_hi_buf.element_count(), usable_buf.typed_data(),
+              p, slot_buf->typed_data(), slot_uid_buf->typed_data(), reset_buf->typed_data(),
+              stats_buf->typed_data());
   return ffi::Error::Success();
 }
 

@@ -215,6 +215,11 @@ OwnerStepImpl = Callable[..., OwnerStep]
 # A source's `key_route.plan` before its all_to_alls: (hi, lo, valid,
 # num_shards=, capacity=) -> (token_slot, send_hi, send_lo, send_count).
 PlanImpl = Callable[..., tuple[jax.Array, jax.Array, jax.Array, jax.Array]]
+# A one-shard map's whole step computed elsewhere, the plan, the owner's step
+# and the answers in one call: (m, hi, lo, valid, usable, key_capacity=,
+# train=, **policy) -> (map, token_slot (T,) int32 each token's local slot or
+# -1, then `OwnerStep`'s reset, evictions, inserts, not_admitted, failed).
+OneShardImpl = Callable[..., tuple]
 
 
 def owner_step(
@@ -312,7 +317,7 @@ def translate(
   axis_name,
   key_capacity: int,
   train: bool,
-  impl: tuple[PlanImpl, OwnerStepImpl] | None = None,
+  impl: tuple[PlanImpl, OwnerStepImpl] | tuple[PlanImpl, OwnerStepImpl, OneShardImpl] | None = None,
   lane_dense: bool = False,
   **policy,
 ) -> tuple[IdMap, Translation]:
@@ -327,8 +332,10 @@ def translate(
     key_capacity: distinct keys this source may send one owner
       (`sharding.key_route`); the tokens of keys beyond it get no row.
     train: False reads only: nothing is counted, inserted or evicted.
-    impl: (plan, owner step) computed elsewhere, the same bits (the native
-      CPU kernels); None runs `key_route.plan` and `owner_step`.
+    impl: (plan, owner step[, one-shard step]) computed elsewhere, the
+      same bits (the native CPU kernels); the one-shard step, if given,
+      replaces the other two on a one-shard axis; None runs
+      `key_route.plan` and `owner_step`.
     lane_dense: `owner_step`'s (without `impl`).
     **policy: `owner_step`'s probe_limit, admit_after, policy,
       evict_on_insert, evict_every, decay and ttl.
@@ -339,27 +346,36 @@ def translate(
   shards, capacity = layout.num_shards, layout.rows_per_shard
   me = jax.lax.axis_index(axis_name)
   valid = ~((words[:, 0] == PAD) & (words[:, 1] == PAD))
-  route = key_route.plan(
-    words[:, 0],
-    words[:, 1],
-    valid,
-    num_shards=shards,
-    capacity=key_capacity,
-    axis_name=axis_name,
-    impl=impl and impl[0],
-  )
   if layout.num_physical_rows == layout.num_rows:  # no padding row: a constant
     usable = jnp.ones((capacity,), bool)
   else:
     usable = layout.logical_of(me * capacity + jnp.arange(capacity, dtype=jnp.int32)) >= 0
-  step_fn = impl[1] if impl else functools.partial(owner_step, lane_dense=lane_dense)
-  step = OwnerStep(
-    *step_fn(m, route.recv_hi, route.recv_lo, route.recv_count, usable, train=train, **policy)
+  row_of = lambda slot: jnp.where(
+    slot >= 0, layout.logical_of(me * capacity + jnp.maximum(slot, 0)), MISS
   )
-  m, slot = IdMap(*step.map), step.slot
-  row = jnp.where(slot >= 0, layout.logical_of(me * capacity + jnp.maximum(slot, 0)), MISS)
-  answer = jnp.where(step.slot_uid >= 0, row[jnp.maximum(step.slot_uid, 0)], MISS)
-  rows = jnp.where(valid, key_route.answer(route, answer, axis_name=axis_name, fill=MISS), -1)
+  if shards == 1 and impl is not None and len(impl) > 2:
+    out = impl[2](
+      m, words[:, 0], words[:, 1], valid, usable, key_capacity=key_capacity, train=train, **policy
+    )
+    m, rows = IdMap(*out[0]), jnp.where(valid, row_of(out[1]), -1)
+    step = OwnerStep(m, None, None, *out[2:])
+  else:
+    route = key_route.plan(
+      words[:, 0],
+      words[:, 1],
+      valid,
+      num_shards=shards,
+      capacity=key_capacity,
+      axis_name=axis_name,
+      impl=impl and impl[0],
+    )
+    step_fn = impl[1] if impl else functools.partial(owner_step, lane_dense=lane_dense)
+    step = OwnerStep(
+      *step_fn(m, route.recv_hi, route.recv_lo, route.recv_count, usable, train=train, **policy)
+    )
+    m, row = IdMap(*step.map), row_of(step.slot)
+    answer = jnp.where(step.slot_uid >= 0, row[jnp.maximum(step.slot_uid, 0)], MISS)
+    rows = jnp.where(valid, key_route.answer(route, answer, axis_name=axis_name, fill=MISS), -1)
   total = lambda x: jax.lax.psum(x, axis_name)
   return m, Translation(
     rows=rows,

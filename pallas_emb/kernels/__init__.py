@@ -91,9 +91,11 @@ def unique_impl(backend: str):
 
 
 def id_map_impl(backend: str):
-  """(plan, owner step) of `backend` for `sharding.id_map.translate` (None:
-  its own XLA code)."""
-  return (native_id_map.plan, native_id_map.owner_step) if backend == "native" else None
+  """(plan, owner step, one-shard step) of `backend` for
+  `sharding.id_map.translate` (None: its own XLA code)."""
+  if backend != "native":
+    return None
+  return (native_id_map.plan, native_id_map.owner_step, native_id_map.one_shard_step)
 
 
 def fuses_segment_sum(backend: str, optimizer, dtype) -> bool:

@@ -44,7 +44,7 @@ DISTRIBUTION = "pallas-emb"
 
 # The handlers of csrc/: unique_keys.cc, id_map.cc and sparse_update.cc.
 UNIQUE_KEYS = "PeUniqueKeys"
-KEY_PLAN, ID_MAP_STEP = "PeKeyPlan", "PeIdMapStep"
+KEY_PLAN, ID_MAP_STEP, ID_MAP_TRANSLATE1 = "PeKeyPlan", "PeIdMapStep", "PeIdMapTranslate1"
 RULE_TARGETS = {
   "sgd": "PeSgd",
   "adagrad": "PeAdagrad",
@@ -53,7 +53,7 @@ RULE_TARGETS = {
   "lazy_adam": "PeLazyAdam",
   "ftrl": "PeFtrl",
 }
-TARGETS = (UNIQUE_KEYS, KEY_PLAN, ID_MAP_STEP) + tuple(
+TARGETS = (UNIQUE_KEYS, KEY_PLAN, ID_MAP_STEP, ID_MAP_TRANSLATE1) + tuple(
   prefix + kind for prefix in RULE_TARGETS.values() for kind in ("SegsumUpdate", "RowUpdate")
 )
 

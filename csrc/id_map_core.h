@@ -1,0 +1,59 @@
+// The dynamic vocabulary's native map steps on raw arrays (csrc/id_map.cc),
+// shared by the FFI handlers of id_map.cc and id_map_translate.cc.
+
+#ifndef PALLAS_EMB_ID_MAP_CORE_H_
+#define PALLAS_EMB_ID_MAP_CORE_H_
+
+#include <cstdint>
+#include <cstring>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace pallas_emb {
+
+// The output buffer of a map array, holding the input's values (XLA aliases
+// them when it can; otherwise this copies).
+template <xla::ffi::DataType D>
+auto* Carry(xla::ffi::Buffer<D>& in, xla::ffi::ResultBuffer<D>& out) {
+  auto* dst = out->typed_data();
+  if (dst != in.typed_data())
+    std::memcpy(dst, in.typed_data(), in.element_count() * sizeof(*dst));
+  return dst;
+}
+
+// A shard's map arrays (cap slots; sketch depth x width, depth 0 when
+// admission does not use it) and the policy of its steps.
+struct MapArrays {
+  uint32_t* key_hi;
+  uint32_t* key_lo;
+  float* count;
+  int32_t* last;
+  int32_t* sketch;
+  int64_t cap, depth, width;
+};
+struct StepPolicy {
+  int64_t probe_limit, admit_after, policy;
+  bool evict_on_insert;
+  int64_t evict_every;
+  float decay;
+  int64_t ttl;
+  bool train;
+};
+
+// PeKeyPlan's work: t tokens' keys (hi, lo; valid false for padding) into
+// num_shards * capacity send slots; token_slot (t,) each token's slot or -1.
+void PlanKeys(const uint32_t* hi, const uint32_t* lo, const bool* valid, int64_t t,
+              int64_t num_shards, int64_t capacity, int32_t* token_slot, uint32_t* send_hi,
+              uint32_t* send_lo, int32_t* send_count);
+
+// PeIdMapStep's work on n received slots: the map updated in place; slot,
+// slot_uid and reset (n,) and stats (4,) as PeIdMapStep's outputs. Returns
+// the map's next step.
+int32_t StepMap(const MapArrays& map, int32_t step, const uint32_t* recv_hi,
+                const uint32_t* recv_lo, const int32_t* recv_count, int64_t n,
+                const bool* usable, const StepPolicy& p, int32_t* slot, int32_t* slot_uid,
+                int32_t* reset, int32_t* stats);
+
+}  // namespace pallas_emb
+
+#endif  // PALLAS_EMB_ID_MAP_CORE_H_

@@ -1,0 +1,103 @@
+// PeIdMapTranslate1: a one-shard table's whole translation, PeKeyPlan and
+// PeIdMapStep back to back on the keys the plan would send, with no buffers
+// between them (id_map.translate with a one-shard impl).
+//   the map (6, aliased), hi, lo (T,) uint32, valid (T,) pred, usable (C,)
+//   pred; attrs: key_capacity K and PeIdMapStep's
+//   -> the new map (6 outputs), token_slot (T,) int32 each token's local
+//      slot, -1 for padding, an overflowing key or a key given no slot;
+//      reset (K,) int32 and stats (4,) int32 as PeIdMapStep's
+
+#include <cstdint>
+#include <vector>
+
+#include "id_map_core.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace pallas_emb {
+namespace {
+
+// PeIdMapTranslate1: a one-shard table's whole translation (PeKeyPlan, then
+// PeIdMapStep on what it would send, then each token's answer), with no
+// buffers between them.
+ffi::Error IdMapTranslate1(
+    ffi::Buffer<ffi::U32> key_hi_in, ffi::Buffer<ffi::U32> key_lo_in,
+    ffi::Buffer<ffi::F32> count_in, ffi::Buffer<ffi::S32> last_in,
+    ffi::Buffer<ffi::S32> sketch_in, ffi::BufferR0<ffi::S32> step_in,
+    ffi::Buffer<ffi::U32> hi_buf, ffi::Buffer<ffi::U32> lo_buf, ffi::Buffer<ffi::PRED> valid_buf,
+    ffi::Buffer<ffi::PRED> usable_buf, int64_t key_capacity, int64_t probe_limit,
+    int64_t admit_after, int64_t policy, bool evict_on_insert, int64_t evict_every, float decay,
+    int64_t ttl, bool train, ffi::ResultBuffer<ffi::U32> key_hi_out,
+    ffi::ResultBuffer<ffi::U32> key_lo_out, ffi::ResultBuffer<ffi::F32> count_out,
+    ffi::ResultBuffer<ffi::S32> last_out, ffi::ResultBuffer<ffi::S32> sketch_out,
+    ffi::ResultBufferR0<ffi::S32> step_out, ffi::ResultBuffer<ffi::S32> token_slot_buf,
+    ffi::ResultBuffer<ffi::S32> reset_buf, ffi::ResultBuffer<ffi::S32> stats_buf) {
+  const int64_t cap = key_hi_in.element_count(), t = hi_buf.element_count(), k = key_capacity;
+  if (probe_limit < 1 || probe_limit > cap || k < 1 || reset_buf->element_count() != size_t(k))
+    return ffi::Error::InvalidArgument(
+        "PeIdMapTranslate1: probe_limit must be in [1, capacity], reset hold key_capacity");
+  static thread_local std::vector<int32_t> sent, send_count, slot, slot_uid;
+  static thread_local std::vector<uint32_t> send_hi, send_lo;
+  sent.resize(t);
+  send_hi.resize(k);
+  send_lo.resize(k);
+  send_count.resize(k);
+  slot.resize(k);
+  slot_uid.resize(k);
+  PlanKeys(hi_buf.typed_data(), lo_buf.typed_data(), valid_buf.typed_data(), t, 1, k, sent.data(),
+           send_hi.data(), send_lo.data(), send_count.data());
+  const auto dims = sketch_in.dimensions();
+  const MapArrays map{Carry(key_hi_in, key_hi_out), Carry(key_lo_in, key_lo_out),
+                      Carry(count_in, count_out),   Carry(last_in, last_out),
+                      Carry(sketch_in, sketch_out), cap,
+                      admit_after > 1 ? dims[0] : 0, dims[1]};
+  const StepPolicy p{probe_limit, admit_after, policy, evict_on_insert,
+                     evict_every, decay,       ttl,    train};
+  *step_out->typed_data() =
+      StepMap(map, *step_in.typed_data(), send_hi.data(), send_lo.data(), send_count.data(), k,
+              usable_buf.typed_data(), p, slot.data(), slot_uid.data(), reset_buf->typed_data(),
+              stats_buf->typed_data());
+  // A token's slot: its key's, through the key's send slot and rank; -1 for
+  // padding, a key over key_capacity or a key given no slot.
+  int32_t* token_slot = token_slot_buf->typed_data();
+  for (int64_t i = 0; i < t; ++i) {
+    const int32_t uid = sent[i] >= 0 ? slot_uid[sent[i]] : -1;
+    token_slot[i] = uid >= 0 ? slot[uid] : -1;
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace pallas_emb
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PeIdMapTranslate1, pallas_emb::IdMapTranslate1,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Arg<xla::ffi::BufferR0<xla::ffi::S32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::PRED>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::PRED>>()
+                                  .Attr<int64_t>("key_capacity")
+                                  .Attr<int64_t>("probe_limit")
+                                  .Attr<int64_t>("admit_after")
+                                  .Attr<int64_t>("policy")
+                                  .Attr<bool>("evict_on_insert")
+                                  .Attr<int64_t>("evict_every")
+                                  .Attr<float>("decay")
+                                  .Attr<int64_t>("ttl")
+                                  .Attr<bool>("train")
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::BufferR0<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>());
