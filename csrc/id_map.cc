@@ -311,11 +311,8 @@ ffi::Error IdMapStep(ffi::Buffer<ffi::U32> key_hi_in, ffi::Buffer<ffi::U32> key_
   const int64_t cap = key_hi_in.element_count();
   if (probe_limit < 1 || probe_limit > cap)
     return ffi::Error::InvalidArgument("PeIdMapStep: probe_limit must be in [1, capacity]");
-  const auto dims = sketch_in.dimensions();
-  const MapArrays map{Carry(key_hi_in, key_hi_out), Carry(key_lo_in, key_lo_out),
-                      Carry(count_in, count_out),   Carry(last_in, last_out),
-                      Carry(sketch_in, sketch_out), cap,
-                      admit_after > 1 ? dims[0] : 0, dims[1]};
+  const MapArrays map = CarryMap(key_hi_in, key_lo_in, count_in, last_in, sketch_in, key_hi_out,
+                                 key_lo_out, count_out, last_out, sketch_out, admit_after);
   const StepPolicy p{probe_limit, admit_after, policy, evict_on_insert,
                      evict_every, decay,       ttl,    train};
   *step_out->typed_data() =
@@ -341,33 +338,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PeKeyPlan, pallas_emb::KeyPlan,
                                   .Ret<xla::ffi::Buffer<xla::ffi::U32>>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PeIdMapStep, pallas_emb::IdMapStep,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Arg<xla::ffi::BufferR0<xla::ffi::S32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::PRED>>()
-                                  .Attr<int64_t>("probe_limit")
-                                  .Attr<int64_t>("admit_after")
-                                  .Attr<int64_t>("policy")
-                                  .Attr<bool>("evict_on_insert")
-                                  .Attr<int64_t>("evict_every")
-                                  .Attr<float>("decay")
-                                  .Attr<int64_t>("ttl")
-                                  .Attr<bool>("train")
-                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::BufferR0<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    PeIdMapStep, pallas_emb::IdMapStep,
+    pallas_emb::BindMapRets(
+        pallas_emb::BindPolicyAttrs(pallas_emb::BindMapArgs(xla::ffi::Ffi::Bind())
+                                        .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                        .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                        .Arg<xla::ffi::Buffer<xla::ffi::PRED>>()))
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>());

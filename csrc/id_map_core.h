@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -39,6 +40,65 @@ struct StepPolicy {
   int64_t ttl;
   bool train;
 };
+
+namespace ffi_types = xla::ffi;
+
+// The map a step updates, from a handler's six map arguments and results:
+// the results hold the arguments' values (Carry); admit_after > 1 uses the
+// sketch.
+inline MapArrays CarryMap(ffi_types::Buffer<ffi_types::U32>& key_hi_in,
+                          ffi_types::Buffer<ffi_types::U32>& key_lo_in,
+                          ffi_types::Buffer<ffi_types::F32>& count_in,
+                          ffi_types::Buffer<ffi_types::S32>& last_in,
+                          ffi_types::Buffer<ffi_types::S32>& sketch_in,
+                          ffi_types::ResultBuffer<ffi_types::U32>& key_hi_out,
+                          ffi_types::ResultBuffer<ffi_types::U32>& key_lo_out,
+                          ffi_types::ResultBuffer<ffi_types::F32>& count_out,
+                          ffi_types::ResultBuffer<ffi_types::S32>& last_out,
+                          ffi_types::ResultBuffer<ffi_types::S32>& sketch_out,
+                          int64_t admit_after) {
+  const auto dims = sketch_in.dimensions();
+  return {Carry(key_hi_in, key_hi_out),
+          Carry(key_lo_in, key_lo_out),
+          Carry(count_in, count_out),
+          Carry(last_in, last_out),
+          Carry(sketch_in, sketch_out),
+          int64_t(key_hi_in.element_count()),
+          admit_after > 1 ? dims[0] : 0,
+          dims[1]};
+}
+
+// The bindings both map handlers share: the map's six arrays as arguments
+// or results, and the step's policy attributes (StepPolicy's, in order).
+template <typename Binding>
+auto BindMapArgs(Binding b) {
+  return std::move(b).template Arg<ffi_types::Buffer<ffi_types::U32>>()
+      .template Arg<ffi_types::Buffer<ffi_types::U32>>()
+      .template Arg<ffi_types::Buffer<ffi_types::F32>>()
+      .template Arg<ffi_types::Buffer<ffi_types::S32>>()
+      .template Arg<ffi_types::Buffer<ffi_types::S32>>()
+      .template Arg<ffi_types::BufferR0<ffi_types::S32>>();
+}
+template <typename Binding>
+auto BindMapRets(Binding b) {
+  return std::move(b).template Ret<ffi_types::Buffer<ffi_types::U32>>()
+      .template Ret<ffi_types::Buffer<ffi_types::U32>>()
+      .template Ret<ffi_types::Buffer<ffi_types::F32>>()
+      .template Ret<ffi_types::Buffer<ffi_types::S32>>()
+      .template Ret<ffi_types::Buffer<ffi_types::S32>>()
+      .template Ret<ffi_types::BufferR0<ffi_types::S32>>();
+}
+template <typename Binding>
+auto BindPolicyAttrs(Binding b) {
+  return std::move(b).template Attr<int64_t>("probe_limit")
+      .template Attr<int64_t>("admit_after")
+      .template Attr<int64_t>("policy")
+      .template Attr<bool>("evict_on_insert")
+      .template Attr<int64_t>("evict_every")
+      .template Attr<float>("decay")
+      .template Attr<int64_t>("ttl")
+      .template Attr<bool>("train");
+}
 
 // PeKeyPlan's work: t tokens' keys (hi, lo; valid false for padding) into
 // num_shards * capacity send slots; token_slot (t,) each token's slot or -1.

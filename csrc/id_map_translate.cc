@@ -47,11 +47,8 @@ ffi::Error IdMapTranslate1(
   slot_uid.resize(k);
   PlanKeys(hi_buf.typed_data(), lo_buf.typed_data(), valid_buf.typed_data(), t, 1, k, sent.data(),
            send_hi.data(), send_lo.data(), send_count.data());
-  const auto dims = sketch_in.dimensions();
-  const MapArrays map{Carry(key_hi_in, key_hi_out), Carry(key_lo_in, key_lo_out),
-                      Carry(count_in, count_out),   Carry(last_in, last_out),
-                      Carry(sketch_in, sketch_out), cap,
-                      admit_after > 1 ? dims[0] : 0, dims[1]};
+  const MapArrays map = CarryMap(key_hi_in, key_lo_in, count_in, last_in, sketch_in, key_hi_out,
+                                 key_lo_out, count_out, last_out, sketch_out, admit_after);
   const StepPolicy p{probe_limit, admit_after, policy, evict_on_insert,
                      evict_every, decay,       ttl,    train};
   *step_out->typed_data() =
@@ -71,33 +68,15 @@ ffi::Error IdMapTranslate1(
 }  // namespace
 }  // namespace pallas_emb
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PeIdMapTranslate1, pallas_emb::IdMapTranslate1,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Arg<xla::ffi::BufferR0<xla::ffi::S32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::PRED>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::PRED>>()
-                                  .Attr<int64_t>("key_capacity")
-                                  .Attr<int64_t>("probe_limit")
-                                  .Attr<int64_t>("admit_after")
-                                  .Attr<int64_t>("policy")
-                                  .Attr<bool>("evict_on_insert")
-                                  .Attr<int64_t>("evict_every")
-                                  .Attr<float>("decay")
-                                  .Attr<int64_t>("ttl")
-                                  .Attr<bool>("train")
-                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::BufferR0<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    PeIdMapTranslate1, pallas_emb::IdMapTranslate1,
+    pallas_emb::BindMapRets(
+        pallas_emb::BindPolicyAttrs(pallas_emb::BindMapArgs(xla::ffi::Ffi::Bind())
+                                        .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                        .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                        .Arg<xla::ffi::Buffer<xla::ffi::PRED>>()
+                                        .Arg<xla::ffi::Buffer<xla::ffi::PRED>>()
+                                        .Attr<int64_t>("key_capacity")))
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>());

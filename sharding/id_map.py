@@ -357,8 +357,7 @@ def translate(
     out = impl[2](
       m, words[:, 0], words[:, 1], valid, usable, key_capacity=key_capacity, train=train, **policy
     )
-    m, rows = IdMap(*out[0]), jnp.where(valid, row_of(out[1]), -1)
-    step = OwnerStep(m, None, None, *out[2:])
+    m, rows, (reset, *counts) = IdMap(*out[0]), jnp.where(valid, row_of(out[1]), -1), out[2:]
   else:
     route = key_route.plan(
       words[:, 0],
@@ -376,14 +375,15 @@ def translate(
     m, row = IdMap(*step.map), row_of(step.slot)
     answer = jnp.where(step.slot_uid >= 0, row[jnp.maximum(step.slot_uid, 0)], MISS)
     rows = jnp.where(valid, key_route.answer(route, answer, axis_name=axis_name, fill=MISS), -1)
-  total = lambda x: jax.lax.psum(x, axis_name)
+    reset, counts = step.reset, step[4:]
+  evictions, inserts, not_admitted, failed = (jax.lax.psum(x, axis_name) for x in counts)
   return m, Translation(
     rows=rows,
-    reset=step.reset,
-    occupancy=total(jnp.sum(m.last >= 0, dtype=jnp.int32)),
-    inserts=total(step.inserts),
-    evictions=total(step.evictions),
-    not_admitted=total(step.not_admitted),
-    failed=total(step.failed),
-    misses=total(jnp.sum(rows == MISS, dtype=jnp.int32)),
+    reset=reset,
+    occupancy=jax.lax.psum(jnp.sum(m.last >= 0, dtype=jnp.int32), axis_name),
+    inserts=inserts,
+    evictions=evictions,
+    not_admitted=not_admitted,
+    failed=failed,
+    misses=jax.lax.psum(jnp.sum(rows == MISS, dtype=jnp.int32), axis_name),
   )
