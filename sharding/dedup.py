@@ -74,14 +74,6 @@ METHODS = ("search", "sort")
 UniqueImpl = Callable[[jax.Array, int], tuple[jax.Array, jax.Array, jax.Array]]
 
 
-def compact(keep: jax.Array, values: jax.Array, size: int, fill) -> jax.Array:
-  """(size, ...) `values` where `keep`, in their order, first; `fill` after
-  them. Kept values past `size` are dropped (a static capacity)."""
-  at = jnp.where(keep, jnp.cumsum(keep, dtype=jnp.int32) - 1, size)
-  out = jnp.full((size,) + values.shape[1:], fill, values.dtype)
-  return out.at[at].set(values, mode="drop", unique_indices=True)
-
-
 def set_at(targets, at, values) -> tuple[jax.Array, ...]:
   """`targets` (each (m,), 32-bit) with element at[i] of each set to
   values[k][i] (a value broadcast to at's shape, cast to its target's

@@ -53,8 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sharding import insert_rounds, key_route, probe_window
-from sharding.dedup import compact
+from sharding import insert_rounds, key_route, probe_window, reorder
 from sharding.key_route import PAD
 from sharding.layout import RowLayout
 
@@ -171,7 +170,7 @@ def _sweep(m: IdMap, usable, *, policy, evict_every, decay, ttl):
   return m._replace(count=count, last=jnp.where(gone, -1, m.last)), jnp.sum(gone, dtype=jnp.int32)
 
 
-def _take(m: IdMap, slot, win, hi, lo, cnt, step, capacity) -> IdMap:
+def _take(m: IdMap, slot, win, hi, lo, count, step, capacity) -> IdMap:
   at = jnp.where(win, slot, capacity)
   # A scatter per array, not one of the arrays stacked (`dedup.set_at`):
   # the stack copies the map (v5e:2x2 pod_check: +80 MiB temp per chip).
@@ -179,7 +178,7 @@ def _take(m: IdMap, slot, win, hi, lo, cnt, step, capacity) -> IdMap:
   return m._replace(
     key_hi=put(m.key_hi, hi),
     key_lo=put(m.key_lo, lo),
-    count=put(m.count, cnt.astype(jnp.float32)),
+    count=put(m.count, count),
     last=put(m.last, jnp.broadcast_to(step, at.shape)),
   )
 
@@ -247,7 +246,6 @@ def owner_step(
   `sharding.probe_window`), the same results."""
   u_hi, u_lo, u_cnt, u_valid, slot_uid = key_route.distinct(recv_hi, recv_lo, recv_count)
   n, capacity = u_hi.shape[0], m.key_hi.shape[0]
-  rank = jnp.arange(n, dtype=jnp.int32)
   home = (u_lo % np.uint32(capacity)).astype(jnp.int32)
   w = probe_window.windows(
     home, capacity, probe_limit, lane_dense and probe_window.fits_lanes(capacity, probe_limit)
@@ -264,11 +262,12 @@ def owner_step(
   slot = jnp.where(found, jnp.sum(jnp.where(match, w.pos, 0), axis=1), -1)
   reset = jnp.full((n,), -1, jnp.int32)
   if train:
-    at = jnp.where(found, slot, capacity)
-    m = m._replace(
-      count=m.count.at[at].add(u_cnt.astype(jnp.float32), mode="drop"),
-      last=m.last.at[at].set(step, mode="drop"),
-    )
+    # Resident keys are used now, so no insert takes their slots as victims;
+    # their counts are written at the end, with the new keys' (one scatter
+    # per array: on a TPU each costs per index, whatever it writes).
+    m = m._replace(last=m.last.at[jnp.where(found, slot, capacity)].set(step, mode="drop"))
+    count = read(m.count)
+    held = jnp.sum(jnp.where(match, count, 0), axis=1)
     waiting = u_valid & ~found
     if admit_after > 1:
       depth, width = m.sketch.shape
@@ -287,22 +286,24 @@ def owner_step(
     # claimed it; a victim must have been used, not in this step or the last.
     last = read(m.last)
     free = probe_window.window_bits(w, (last < 0) & read(usable), probe_limit)
-    claims, won = insert_rounds.insert(free, home, admitted, capacity, probe_limit)
+    won = insert_rounds.insert(free, home, admitted, capacity, probe_limit)
     slot = jnp.where(won >= 0, won, slot)
     left = admitted & (won < 0)
     if evict_on_insert:
-      count = read(m.count)
       has, lane, least = _victims(last, count, w.inside, step, policy=policy, ttl=ttl)
       s = probe_window.slot_of(w, lane, capacity)
       if policy == "lfu":  # a one-off never pushes out a more frequent id
         has &= least <= estimate.astype(jnp.float32)
-      win, _ = insert_rounds.claim(s, left & has, probe_limit * n + rank, claims)
+      # Victims are held slots, the rounds' free ones: no claim of theirs
+      # competes with a round's.
+      win = reorder.first_claims(s, left & has, capacity)
       slot = jnp.where(win, s, slot)
       left &= ~win
       evicted += jnp.sum(win, dtype=jnp.int32)
     new = admitted & ~left
-    m = _take(m, slot, new, u_hi, u_lo, u_cnt, step, capacity)
-    reset = compact(new, slot, n, -1)
+    cnt = u_cnt.astype(jnp.float32)
+    m = _take(m, slot, new | found, u_hi, u_lo, jnp.where(found, held + cnt, cnt), step, capacity)
+    reset = reorder.compact(new, slot, n, -1)
     inserts = jnp.sum(new, dtype=jnp.int32)
     failed = jnp.sum(left, dtype=jnp.int32)
     m = m._replace(step=step + 1)

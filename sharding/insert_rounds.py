@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sharding.dedup import compact
+from sharding.reorder import compact
 
 UNCLAIMED = np.iinfo(np.int32).max
 
@@ -93,8 +93,7 @@ def insert(free, home, waiting, capacity: int, probe_limit: int):
     probe_limit: the rounds (the window's length).
 
   Returns:
-    (claims (capacity,) int32, UNCLAIMED where no round claimed; slot (n,)
-    int32 the slot each key won, -1 for none).
+    (n,) int32 the slot each key won, -1 for none.
   """
   n = waiting.shape[0]
   if (probe_limit + 1) * n >= 2**31:
@@ -104,7 +103,7 @@ def insert(free, home, waiting, capacity: int, probe_limit: int):
   may = waiting & jnp.any(free != 0, axis=1)
   few = max(1, n // 10)
   if few >= n:
-    return _rounds(claims, free, home, may, rank, n, probe_limit)[1:3]
+    return _rounds(claims, free, home, may, rank, n, probe_limit)[2]
   # Every key's rounds while more than `few` keys may still win a slot, then
   # the rest's, gathered (rank order kept: the i-th key left is at i, n
   # pads; a key's index is its rank, so its claims' values are unchanged).
@@ -112,5 +111,5 @@ def insert(free, home, waiting, capacity: int, probe_limit: int):
   idx = compact(left, rank, few, n)
   valid, key = idx < n, jnp.minimum(idx, n - 1)
   sub_free = jnp.where(valid[:, None], free[key], 0)
-  _, claims, got, _ = _rounds(claims, sub_free, home[key], valid, key, n, probe_limit, r0=r)
-  return claims, slot.at[idx].set(got, mode="drop")
+  got = _rounds(claims, sub_free, home[key], valid, key, n, probe_limit, r0=r)[2]
+  return slot.at[idx].set(got, mode="drop")

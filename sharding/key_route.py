@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sharding import reorder
 from sharding.dedup import set_at
 from sharding.route import exchange
 
@@ -116,7 +117,7 @@ def buckets(hi: jax.Array, lo: jax.Array, valid: jax.Array, *, num_shards: int, 
   send_hi, send_lo, count = set_at(
     (pad, pad, jnp.zeros((slots,), jnp.int32)), at, (sh, sl, occurrences)
   )
-  token_slot = jnp.zeros((t,), jnp.int32).at[sidx].set(slot, unique_indices=True)
+  token_slot = reorder.invert(sidx, slot)
   return token_slot, send_hi, send_lo, count
 
 
@@ -159,5 +160,5 @@ def distinct(hi: jax.Array, lo: jax.Array, count: jax.Array):
   zeros = jnp.zeros((n,), jnp.uint32)
   u_hi, u_lo, u_count = set_at((zeros, zeros, zeros.astype(jnp.int32)), at, (sh, sl, occurrences))
   u_valid = idx < jnp.sum(new, dtype=jnp.int32)
-  slot_uid = jnp.zeros((n,), jnp.int32).at[sidx].set(uid, unique_indices=True)
+  slot_uid = reorder.invert(sidx, uid)
   return u_hi, u_lo, u_count, u_valid, slot_uid

@@ -198,3 +198,13 @@ def small_trainer(num_devices: int = NUM_DEVICES, layout: str = "mod"):
   feeder = GlobalBatches(dataset, 64, emb.sharding())
   trainer = pe.make_trainer(emb, model.loss, optax.adam(1e-3), pe.TrainConfig(), feeder.train(0))
   return trainer, model, feeder
+
+
+def use_tpu_reorder(monkeypatch) -> None:
+  """From now on in this test, `sharding.reorder` takes its TPU forms
+  (sorts) whatever the platform: the programs traced are those a TPU
+  compiles. jit's caches are cleared, so no program crosses the switch."""
+  from sharding import reorder
+
+  jax.clear_caches()
+  monkeypatch.setattr(reorder, "_per_platform", lambda by_sort, by_scatter, *args: by_sort(*args))

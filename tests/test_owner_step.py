@@ -12,7 +12,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import child_env
+from conftest import child_env, use_tpu_reorder
 from jax.sharding import PartitionSpec as P
 
 from pallas_emb.kernels import native_id_map, native_lib
@@ -97,6 +97,38 @@ def test_owner_step_is_the_same_bits_every_way(capacity, probe_limit, fill, name
   for way, fn in ways.items():
     for i, (g, x) in enumerate(zip(_run(fn, case, params, train), want)):
       np.testing.assert_array_equal(g, x, err_msg=f"{way}: output {i}")
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "read"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_owner_step_on_a_tpu_is_the_same_bits(name, train, monkeypatch):
+  """A TPU's step (lane-dense windows, `sharding.reorder`'s sorts) against
+  the scatters' step, on a map whose newcomers take every path."""
+  params = dict(CASES[name], probe_limit=16)
+  sketch = (2, 64) if params["admit_after"] > 1 else (1, 1)
+  case = _case(256 + 16, 256, 16, 300, sketch, 0.75)
+  want = _run(id_map.owner_step, case, params, train)
+  use_tpu_reorder(monkeypatch)
+  got = _run(lambda *a, **k: id_map.owner_step(*a, lane_dense=True, **k), case, params, train)
+  for i, (g, x) in enumerate(zip(got, want)):
+    np.testing.assert_array_equal(g, x, err_msg=f"output {i}")
+
+
+@pytest.mark.parametrize("num_shards,capacity", [(1, 64), (4, 8)])
+def test_buckets_on_a_tpu_are_the_same_bits(num_shards, capacity, monkeypatch):
+  rng = np.random.default_rng(num_shards)
+  keys = rng.integers(0, 2**32, (60, 2), dtype=np.uint64).astype(np.uint32)
+  words = keys[rng.integers(0, 60, 200)]
+  valid = rng.random(200) > 0.1
+  words[~valid] = key_route.PAD
+  args = (words[:, 0], words[:, 1], valid)
+  run = lambda: jax.jit(lambda *a: key_route.buckets(*a, num_shards=num_shards, capacity=capacity))(
+    *args
+  )
+  want = run()
+  use_tpu_reorder(monkeypatch)
+  for g, x in zip(run(), want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(x))
 
 
 @needs_native

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from sharding.dedup import compact
 from sharding.layout import SENTINEL, RowLayout
+from sharding.reorder import compact
 
 # What a member's id outside its range becomes: invalid for dedup (< 0) and
 # not padding (-1), so it is counted as invalid, never routed.
