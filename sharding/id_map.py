@@ -286,7 +286,7 @@ def owner_step(
     # claimed it; a victim must have been used, not in this step or the last.
     last = read(m.last)
     free = probe_window.window_bits(w, (last < 0) & read(usable), probe_limit)
-    won = insert_rounds.insert(free, home, admitted, capacity, probe_limit)
+    won = insert_rounds.insert(free, home, admitted, capacity, probe_limit, w.rows is not None)
     slot = jnp.where(won >= 0, won, slot)
     left = admitted & (won < 0)
     if evict_on_insert:

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sharding import probe_window, reorder
 from sharding.reorder import compact
 
 UNCLAIMED = np.iinfo(np.int32).max
@@ -80,7 +81,58 @@ def _rounds(claims, free, home, waiting, rank, num_keys: int, probe_limit: int, 
   return r, claims, slot, left & (last_free >= r)
 
 
-def insert(free, home, waiting, capacity: int, probe_limit: int):
+_NONE = -(2**30)  # a round no key won, a window offset out of reach: their sums stay < 0
+
+
+def _dense_rounds(free, home, waiting, r0, capacity: int, probe_limit: int):
+  """(k,) int32 the slot each of k keys (in rank order) wins, -1 for none,
+  in the rounds from `r0` on, with no claims array: key j, won in round
+  won[j], holds key i's window slot won[j] + d[i, j] (d: j's home less
+  i's, mod capacity, when under probe_limit), and keys of one round
+  collide only at one home. A round is two (k, k) reductions and no
+  scatter or gather: a TPU's way for a few keys (`insert`). `free` must
+  already omit the slots that earlier rounds took."""
+  k = home.shape[0]
+  last_free = _last_bit(free)
+  d = home[None, :] - home[:, None]
+  d = jnp.where(d < 0, d + capacity, d)
+  d = jnp.where(d < probe_limit, d, _NONE)
+  rank = jnp.arange(k, dtype=jnp.int32)
+  same = (d == 0) & (rank[None, :] < rank[:, None])  # an earlier key of the same home
+
+  def more(c):
+    r, _, _, left = c
+    return (r < probe_limit) & jnp.any(left & (last_free >= r))
+
+  def round_(c):
+    r, won, slot, left = c
+    word = jax.lax.dynamic_index_in_dim(free, r // 32, axis=1, keepdims=False)
+    want = left & ((word >> (r % 32).astype(jnp.uint32)) & 1 == 1)
+    want &= ~jnp.any(won[None, :] + d == r, axis=1)
+    win = want & ~jnp.any(same & want[None, :], axis=1)
+    s = home + r
+    s = jnp.where(s >= capacity, s - capacity, s)
+    return r + 1, jnp.where(win, r, won), jnp.where(win, s, slot), left & ~win
+
+  none = jnp.full((k,), _NONE, jnp.int32)
+  c = (jnp.asarray(r0, jnp.int32), none, jnp.full((k,), -1, jnp.int32), waiting)
+  return jax.lax.while_loop(more, round_, c)[2]
+
+
+def _few_rounds(claims, free, home, waiting, rank, r0, *, lane_dense: bool, probe_limit: int):
+  """`_dense_rounds` after the claims so far, read from the keys' windows."""
+  capacity = claims.shape[0]
+  w = probe_window.windows(home, capacity, probe_limit, lane_dense)
+  taken = probe_window.read(w, claims) != UNCLAIMED
+  free &= ~probe_window.window_bits(w, taken, probe_limit)
+  return _dense_rounds(free, home, waiting, r0, capacity, probe_limit)
+
+
+# Keys that `_dense_rounds` takes at most: its (k, k) arrays grow as k^2.
+DENSE_KEYS = 512
+
+
+def insert(free, home, waiting, capacity: int, probe_limit: int, lane_dense: bool = False):
   """The rounds of one step.
 
   Args:
@@ -91,6 +143,7 @@ def insert(free, home, waiting, capacity: int, probe_limit: int):
     waiting: (n,) bool the keys to insert (admitted, not resident).
     capacity: the map's slots.
     probe_limit: the rounds (the window's length).
+    lane_dense: the windows' reads (`sharding.probe_window`), on a TPU.
 
   Returns:
     (n,) int32 the slot each key won, -1 for none.
@@ -110,6 +163,11 @@ def insert(free, home, waiting, capacity: int, probe_limit: int):
   r, claims, slot, left = _rounds(claims, free, home, may, rank, n, probe_limit, few=few)
   idx = compact(left, rank, few, n)
   valid, key = idx < n, jnp.minimum(idx, n - 1)
-  sub_free = jnp.where(valid[:, None], free[key], 0)
-  got = _rounds(claims, sub_free, home[key], valid, key, n, probe_limit, r0=r)[2]
+  args = (claims, jnp.where(valid[:, None], free[key], 0), home[key], valid, key, r)
+  by_claims = lambda *a: _rounds(*a[:5], n, probe_limit, r0=a[5])[2]
+  if few > DENSE_KEYS:
+    got = by_claims(*args)
+  else:
+    dense = functools.partial(_few_rounds, lane_dense=lane_dense, probe_limit=probe_limit)
+    got = reorder.per_platform(dense, by_claims, *args)
   return slot.at[idx].set(got, mode="drop")

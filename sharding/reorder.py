@@ -20,8 +20,10 @@ import jax
 import jax.numpy as jnp
 
 
-def _per_platform(by_sort, by_scatter, *args):
-  return jax.lax.platform_dependent(*args, tpu=by_sort, default=by_scatter)
+def per_platform(tpu_form, other_form, *args):
+  """`tpu_form(*args)` in a program lowered for a TPU, else
+  `other_form(*args)`: two forms of one result, the same bits."""
+  return jax.lax.platform_dependent(*args, tpu=tpu_form, default=other_form)
 
 
 def compact_by_scatter(keep: jax.Array, values: jax.Array, size: int, fill) -> jax.Array:
@@ -47,7 +49,7 @@ def compact(keep: jax.Array, values: jax.Array, size: int, fill) -> jax.Array:
   by_scatter = functools.partial(compact_by_scatter, size=size, fill=fill)
   if values.ndim != 1:
     return by_scatter(keep, values)
-  return _per_platform(
+  return per_platform(
     functools.partial(compact_by_sort, size=size, fill=fill), by_scatter, keep, values
   )
 
@@ -66,7 +68,7 @@ def invert(perm: jax.Array, values: jax.Array) -> jax.Array:
   """(n,) `out` with out[perm[i]] = values[i]: `values` (n,) back in the
   order that `perm` (n,) int32, a permutation of 0..n-1, took them from
   (the indices a sort carried along)."""
-  return _per_platform(invert_by_sort, invert_by_scatter, perm, values)
+  return per_platform(invert_by_sort, invert_by_scatter, perm, values)
 
 
 def first_claims_by_scatter(slot: jax.Array, want: jax.Array, capacity: int) -> jax.Array:
@@ -91,4 +93,4 @@ def first_claims(slot: jax.Array, want: jax.Array, capacity: int) -> jax.Array:
   [0, capacity) and come first (least index) among those that want it:
   one round of claims, the earlier key winning a slot claimed twice."""
   fn = lambda f: functools.partial(f, capacity=capacity)
-  return _per_platform(fn(first_claims_by_sort), fn(first_claims_by_scatter), slot, want)
+  return per_platform(fn(first_claims_by_sort), fn(first_claims_by_scatter), slot, want)

@@ -201,10 +201,10 @@ def small_trainer(num_devices: int = NUM_DEVICES, layout: str = "mod"):
 
 
 def use_tpu_reorder(monkeypatch) -> None:
-  """From now on in this test, `sharding.reorder` takes its TPU forms
-  (sorts) whatever the platform: the programs traced are those a TPU
+  """From now on in this test, `sharding.reorder.per_platform` takes the
+  TPU forms whatever the platform: the programs traced are those a TPU
   compiles. jit's caches are cleared, so no program crosses the switch."""
   from sharding import reorder
 
   jax.clear_caches()
-  monkeypatch.setattr(reorder, "_per_platform", lambda by_sort, by_scatter, *args: by_sort(*args))
+  monkeypatch.setattr(reorder, "per_platform", lambda tpu_form, other_form, *args: tpu_form(*args))

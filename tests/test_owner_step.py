@@ -99,14 +99,19 @@ def test_owner_step_is_the_same_bits_every_way(capacity, probe_limit, fill, name
       np.testing.assert_array_equal(g, x, err_msg=f"{way}: output {i}")
 
 
-@pytest.mark.parametrize("train", [True, False], ids=["train", "read"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_owner_step_on_a_tpu_is_the_same_bits(name, train, monkeypatch):
-  """A TPU's step (lane-dense windows, `sharding.reorder`'s sorts) against
-  the scatters' step, on a map whose newcomers take every path."""
-  params = dict(CASES[name], probe_limit=16)
+@pytest.mark.parametrize(
+  "capacity,probe_limit,fill",
+  [(256, 16, 0.75), (128, 100, 0.75), (256, 16, 0.5)],
+  ids=["256-16", "128-100-wrapping", "256-16-half"],
+)
+def test_owner_step_on_a_tpu_is_the_same_bits(capacity, probe_limit, fill, name, monkeypatch):
+  """A TPU's training step (lane-dense windows, `sharding.reorder`'s forms:
+  sorts, the few keys' rounds without claims) against the CPU's."""
+  params = dict(CASES[name], probe_limit=probe_limit)
   sketch = (2, 64) if params["admit_after"] > 1 else (1, 1)
-  case = _case(256 + 16, 256, 16, 300, sketch, 0.75)
+  case = _case(capacity + probe_limit, capacity, probe_limit, 300, sketch, fill)
+  train = True
   want = _run(id_map.owner_step, case, params, train)
   use_tpu_reorder(monkeypatch)
   got = _run(lambda *a, **k: id_map.owner_step(*a, lane_dense=True, **k), case, params, train)
