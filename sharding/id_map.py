@@ -266,8 +266,6 @@ def owner_step(
     # their counts are written at the end, with the new keys' (one scatter
     # per array: on a TPU each costs per index, whatever it writes).
     m = m._replace(last=m.last.at[jnp.where(found, slot, capacity)].set(step, mode="drop"))
-    count = read(m.count)
-    held = jnp.sum(jnp.where(match, count, 0), axis=1)
     waiting = u_valid & ~found
     if admit_after > 1:
       depth, width = m.sketch.shape
@@ -289,6 +287,7 @@ def owner_step(
     won = insert_rounds.insert(free, home, admitted, capacity, probe_limit, w.rows is not None)
     slot = jnp.where(won >= 0, won, slot)
     left = admitted & (won < 0)
+    count = read(m.count)  # read after the rounds: no (n, W) array lives through them
     if evict_on_insert:
       has, lane, least = _victims(last, count, w.inside, step, policy=policy, ttl=ttl)
       s = probe_window.slot_of(w, lane, capacity)
@@ -301,6 +300,9 @@ def owner_step(
       left &= ~win
       evicted += jnp.sum(win, dtype=jnp.int32)
     new = admitted & ~left
+    held = jnp.sum(
+      jnp.where(w.inside & (w.pos == slot[:, None]) & found[:, None], count, 0), axis=1
+    )
     cnt = u_cnt.astype(jnp.float32)
     m = _take(m, slot, new | found, u_hi, u_lo, jnp.where(found, held + cnt, cnt), step, capacity)
     reset = reorder.compact(new, slot, n, -1)
