@@ -119,7 +119,7 @@ def _dense_rounds(free, home, waiting, r0, capacity: int, probe_limit: int):
   return jax.lax.while_loop(more, round_, c)[2]
 
 
-def _few_rounds(claims, free, home, waiting, rank, r0, *, lane_dense: bool, probe_limit: int):
+def _few_rounds(claims, free, home, waiting, _, r0, *, lane_dense: bool, probe_limit: int):
   """`_dense_rounds` after the claims so far, read from the keys' windows."""
   capacity = claims.shape[0]
   w = probe_window.windows(home, capacity, probe_limit, lane_dense)
@@ -128,12 +128,41 @@ def _few_rounds(claims, free, home, waiting, rank, r0, *, lane_dense: bool, prob
   return _dense_rounds(free, home, waiting, r0, capacity, probe_limit)
 
 
+def _claim_rounds(claims, free, home, waiting, rank, r0, *, num_keys: int, probe_limit: int):
+  """`_rounds` of a few keys from round `r0`, their claims' values those of
+  their ranks among all `num_keys` keys (`rank`, their index there)."""
+  return _rounds(claims, free, home, waiting, rank, num_keys, probe_limit, r0=r0)[2]
+
+
+def _insert(free, home, waiting, *, few: int, few_rounds, capacity: int, probe_limit: int):
+  """Every key's rounds while more than `few` keys may still win a slot,
+  then the rest's, gathered (rank order kept: the i-th key left is at i, n
+  pads; its claims' values are those of its rank), by `few_rounds`."""
+  n = waiting.shape[0]
+  rank = jnp.arange(n, dtype=jnp.int32)
+  claims = jnp.full((capacity,), UNCLAIMED, jnp.int32)
+  may = waiting & jnp.any(free != 0, axis=1)
+  if few >= n:
+    return few_rounds(claims, free, home, may, rank, 0)
+  r, claims, slot, left = _rounds(claims, free, home, may, rank, n, probe_limit, few=few)
+  idx = compact(left, rank, few, n)
+  valid, key = idx < n, jnp.minimum(idx, n - 1)
+  sub_free = jnp.where(valid[:, None], free[key], 0)
+  got = few_rounds(claims, sub_free, home[key], valid, key, r)
+  return slot.at[idx].set(got, mode="drop")
+
+
 # Keys that `_dense_rounds` takes at most: its (k, k) arrays grow as k^2.
 DENSE_KEYS = 512
 
 
 def insert(free, home, waiting, capacity: int, probe_limit: int, lane_dense: bool = False):
   """The rounds of one step.
+
+  The keys' rounds while more than a tenth of them may still win, then the
+  rest's, by claims. On a TPU, where a round by claims is a scatter and a
+  gather, the rest are up to `DENSE_KEYS` keys' rounds without claims
+  (`_dense_rounds`), if that is more than a tenth.
 
   Args:
     free: (n, ceil(probe_limit / 32)) uint32 each key's window slots free at
@@ -151,23 +180,11 @@ def insert(free, home, waiting, capacity: int, probe_limit: int, lane_dense: boo
   n = waiting.shape[0]
   if (probe_limit + 1) * n >= 2**31:
     raise ValueError(f"(probe_limit + 1) * keys = {(probe_limit + 1) * n} must fit int32.")
-  rank = jnp.arange(n, dtype=jnp.int32)
-  claims = jnp.full((capacity,), UNCLAIMED, jnp.int32)
-  may = waiting & jnp.any(free != 0, axis=1)
-  few = max(1, n // 10)
-  if few >= n:
-    return _rounds(claims, free, home, may, rank, n, probe_limit)[2]
-  # Every key's rounds while more than `few` keys may still win a slot, then
-  # the rest's, gathered (rank order kept: the i-th key left is at i, n
-  # pads; a key's index is its rank, so its claims' values are unchanged).
-  r, claims, slot, left = _rounds(claims, free, home, may, rank, n, probe_limit, few=few)
-  idx = compact(left, rank, few, n)
-  valid, key = idx < n, jnp.minimum(idx, n - 1)
-  args = (claims, jnp.where(valid[:, None], free[key], 0), home[key], valid, key, r)
-  by_claims = lambda *a: _rounds(*a[:5], n, probe_limit, r0=a[5])[2]
-  if few > DENSE_KEYS:
-    got = by_claims(*args)
-  else:
-    dense = functools.partial(_few_rounds, lane_dense=lane_dense, probe_limit=probe_limit)
-    got = reorder.per_platform(dense, by_claims, *args)
-  return slot.at[idx].set(got, mode="drop")
+  kw = dict(capacity=capacity, probe_limit=probe_limit)
+  claim_rounds = functools.partial(_claim_rounds, num_keys=n, probe_limit=probe_limit)
+  by_claims = functools.partial(_insert, few=max(1, n // 10), few_rounds=claim_rounds, **kw)
+  if n // 10 > DENSE_KEYS:
+    return by_claims(free, home, waiting)
+  dense = functools.partial(_few_rounds, lane_dense=lane_dense, probe_limit=probe_limit)
+  tpu = functools.partial(_insert, few=min(n, DENSE_KEYS), few_rounds=dense, **kw)
+  return reorder.per_platform(tpu, by_claims, free, home, waiting)

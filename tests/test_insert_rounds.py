@@ -44,6 +44,7 @@ def _bits(free):
     (120, 128, 40, 0.1, 0),
     (300, 2048, 16, 0.9, 25),
     (300, 2048, 40, 0.9, 30),
+    (1200, 4096, 16, 0.5, 60),  # more keys than a TPU's few: rounds by claims first
   ],
 )
 def test_rounds_equal_a_loop_over_rounds(
