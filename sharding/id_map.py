@@ -156,7 +156,7 @@ def _victims(last, count, inside, step, *, policy: str, ttl):
   return has, lane, None if least is None else least[:, 0]
 
 
-def _sweep(m: IdMap, usable, *, policy, evict_every, decay, ttl):
+def _sweep(m: IdMap, *, policy, evict_every, decay, ttl):
   """(map, evicted) after the periodic sweep, if this step has one."""
   if evict_every is None:
     return m, jnp.zeros((), jnp.int32)
@@ -164,7 +164,7 @@ def _sweep(m: IdMap, usable, *, policy, evict_every, decay, ttl):
   count = m.count
   if policy == "lfu" and decay != 1:
     count = jnp.where(now, count * jnp.float32(decay), count)
-  gone = jnp.zeros_like(usable)
+  gone = jnp.zeros(m.last.shape, bool)
   if ttl is not None:
     gone = now & (m.last >= 0) & (m.step - m.last >= ttl)
   return m._replace(count=count, last=jnp.where(gone, -1, m.last)), jnp.sum(gone, dtype=jnp.int32)
@@ -226,7 +226,7 @@ def owner_step(
   recv_hi: jax.Array,
   recv_lo: jax.Array,
   recv_count: jax.Array,
-  usable: jax.Array,
+  usable: jax.Array | None,
   *,
   probe_limit: int,
   admit_after: int,
@@ -241,7 +241,8 @@ def owner_step(
   """Steps 1 and 2 of the module docstring on one owner: the keys it
   received (`key_route.KeyRoute`'s recv arrays, (n,)), deduplicated and
   looked up, counted, admitted and inserted. `usable` (capacity,) bool:
-  the slots whose physical row holds a logical row. `lane_dense`: read the
+  the slots whose physical row holds a logical row (None: every slot; on
+  a TPU a read of a constant costs as much as any other). `lane_dense`: read the
   probe windows as 128-lane rows where the map allows (a TPU's way;
   `sharding.probe_window`), the same results."""
   u_hi, u_lo, u_cnt, u_valid, slot_uid = key_route.distinct(recv_hi, recv_lo, recv_count)
@@ -255,7 +256,7 @@ def owner_step(
   evicted = inserts = not_admitted = failed = zero
   step = m.step
   if train:
-    m, evicted = _sweep(m, usable, policy=policy, evict_every=evict_every, decay=decay, ttl=ttl)
+    m, evicted = _sweep(m, policy=policy, evict_every=evict_every, decay=decay, ttl=ttl)
   match = w.inside & (read(m.last) >= 0) & (read(m.key_hi) == u_hi[:, None])
   match &= (read(m.key_lo) == u_lo[:, None]) & u_valid[:, None]
   found = jnp.any(match, axis=1)
@@ -283,7 +284,8 @@ def owner_step(
     # end): a slot is free if it was at the step's start and no round has
     # claimed it; a victim must have been used, not in this step or the last.
     last = read(m.last)
-    free = probe_window.window_bits(w, (last < 0) & read(usable), probe_limit)
+    empty = last < 0 if usable is None else (last < 0) & read(usable)
+    free = probe_window.window_bits(w, empty, probe_limit)
     won = insert_rounds.insert(free, home, admitted, capacity, probe_limit, w.rows is not None)
     slot = jnp.where(won >= 0, won, slot)
     left = admitted & (won < 0)
@@ -349,10 +351,11 @@ def translate(
   shards, capacity = layout.num_shards, layout.rows_per_shard
   me = jax.lax.axis_index(axis_name)
   valid = ~((words[:, 0] == PAD) & (words[:, 1] == PAD))
-  if layout.num_physical_rows == layout.num_rows:  # no padding row: a constant
-    usable = jnp.ones((capacity,), bool)
-  else:
+  usable = None  # every slot's physical row holds a logical row
+  if layout.num_physical_rows != layout.num_rows:
     usable = layout.logical_of(me * capacity + jnp.arange(capacity, dtype=jnp.int32)) >= 0
+  if impl is not None and usable is None:  # the native kernels take the array
+    usable = jnp.ones((capacity,), bool)
   row_of = lambda slot: jnp.where(
     slot >= 0, layout.logical_of(me * capacity + jnp.maximum(slot, 0)), MISS
   )
