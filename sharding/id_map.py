@@ -257,7 +257,8 @@ def owner_step(
   step = m.step
   if train:
     m, evicted = _sweep(m, policy=policy, evict_every=evict_every, decay=decay, ttl=ttl)
-  match = w.inside & (read(m.last) >= 0) & (read(m.key_hi) == u_hi[:, None])
+  last = read(m.last)
+  match = w.inside & (last >= 0) & (read(m.key_hi) == u_hi[:, None])
   match &= (read(m.key_lo) == u_lo[:, None]) & u_valid[:, None]
   found = jnp.any(match, axis=1)
   slot = jnp.where(found, jnp.sum(jnp.where(match, w.pos, 0), axis=1), -1)
@@ -282,16 +283,16 @@ def owner_step(
     not_admitted = jnp.sum(waiting & ~admitted, dtype=jnp.int32)
     # The map as this step's inserts find it (they write it once, at the
     # end): a slot is free if it was at the step's start and no round has
-    # claimed it; a victim must have been used, not in this step or the last.
-    last = read(m.last)
+    # claimed it (a resident key's slot was not); a victim must have been
+    # used, not in this step or the last: read after the rounds, as count.
     empty = last < 0 if usable is None else (last < 0) & read(usable)
     free = probe_window.window_bits(w, empty, probe_limit)
     won = insert_rounds.insert(free, home, admitted, capacity, probe_limit, w.rows is not None)
     slot = jnp.where(won >= 0, won, slot)
     left = admitted & (won < 0)
-    count = read(m.count)  # read after the rounds: no (n, W) array lives through them
+    count = read(m.count)  # after the rounds: no (n, W) array lives through them
     if evict_on_insert:
-      has, lane, least = _victims(last, count, w.inside, step, policy=policy, ttl=ttl)
+      has, lane, least = _victims(read(m.last), count, w.inside, step, policy=policy, ttl=ttl)
       s = probe_window.slot_of(w, lane, capacity)
       if policy == "lfu":  # a one-off never pushes out a more frequent id
         has &= least <= estimate.astype(jnp.float32)
