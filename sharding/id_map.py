@@ -260,8 +260,8 @@ def owner_step(
   last = read(m.last)
   match = w.inside & (last >= 0) & (read(m.key_hi) == u_hi[:, None])
   match &= (read(m.key_lo) == u_lo[:, None]) & u_valid[:, None]
-  found = jnp.any(match, axis=1)
-  slot = jnp.where(found, jnp.sum(jnp.where(match, w.pos, 0), axis=1), -1)
+  slot = jnp.max(jnp.where(match, w.pos, -1), axis=1)  # one lane at most matches
+  found = slot >= 0
   reset = jnp.full((n,), -1, jnp.int32)
   if train:
     # Resident keys are used now, so no insert takes their slots as victims;
