@@ -141,9 +141,9 @@ def _reset(t: ShardedTable, table, slots, reset, key, step):
     table = packing.put_rows(table, at, new_rows, width)
     fresh = {}
     for name, x in slots.items():
-      s = specs[name]
-      flat = s.as_rows(x, spec.dim).at[at].set(jnp.asarray(s.init, x.dtype), mode="drop")
-      fresh[name] = flat.reshape(x.shape)
+      w = specs[name].stored_width(spec.dim)
+      init = jnp.full((chunk, w), specs[name].init, x.dtype)  # its pad words too, as `init`
+      fresh[name] = packing.put_rows(x, at, init, w)
     return table, fresh
 
   chunks = (inserted + chunk - 1) // chunk

@@ -249,12 +249,38 @@ def put_rows(stored, idx, values, width: int):
   """`stored` with rows `idx` set to (C, w) `values`, zero-padded to
   `width` (distinct indices; an index past the end writes nothing), stored
   as it is or packed. A packed row's neighbours in its physical row are
-  untouched: the scatter writes words, not physical rows."""
+  untouched."""
   values = padded(values.astype(stored.dtype), width)
-  # Row-major (N, 128) words are (N * k, width) rows: a free reshape, and a
-  # scatter of whole rows (one index each), not of (row, lane) words.
-  rows = stored.reshape(-1, width)
+  if stored.shape[1] == width:
+    return stored.at[idx].set(values, mode="drop")
+  return jax.lax.platform_dependent(
+    stored, idx, values, tpu=_put_packed_rows, default=_put_row_view
+  )
+
+
+def _put_row_view(stored, idx, values):
+  # Row-major (N, 128) words are (N * k, width) rows: a free reshape on CPU,
+  # and a scatter of whole rows (one index each), not of (row, lane) words.
+  rows = stored.reshape(-1, values.shape[1])
   return rows.at[idx].set(values, mode="drop").reshape(stored.shape)
+
+
+def _put_packed_rows(stored, idx, values):
+  # A TPU keeps (N * k, width) in (8, 128) tiles, so the reshape above would
+  # relayout the whole array, twice. Instead each index adds to its physical
+  # row the difference of its new words from the row's, as uint32 (exact
+  # modulo 2**32), zero outside its own lanes: indices that share a
+  # physical row add their own lanes, and one scatter-add of whole rows
+  # writes them all.
+  width = values.shape[1]
+  k = LANES // width
+  phys = idx // k
+  old = jnp.take(stored, phys, axis=0, mode="fill", fill_value=0)
+  mine = jnp.arange(LANES, dtype=idx.dtype)[None, :] // width == (idx % k)[:, None]
+  word = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint32)
+  delta = jnp.where(mine, word(jnp.tile(values, (1, k))) - word(old), jnp.uint32(0))
+  out = word(stored).at[phys].add(delta, mode="drop")
+  return jax.lax.bitcast_convert_type(out, stored.dtype)
 
 
 def unpack_rows(words: jax.Array, dtype, dim: int | None = None) -> jax.Array:

@@ -73,6 +73,46 @@ def test_take_and_put_rows_of_packed_arrays_touch_only_their_sub_rows():
   np.testing.assert_array_equal(put, want)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.uint32, np.int32])
+@pytest.mark.parametrize("width", [1, 16, 64])
+def test_put_rows_tpu_form_equals_the_row_view(width, dtype):
+  """A TPU's `put_rows` on a packed array (a scatter-add of each physical
+  row's word differences) against the CPU's (a scatter into the (N * k,
+  width) view): the same bits, with indices sharing physical rows, one past
+  the end, and NaN and -0.0 words."""
+  rng = np.random.default_rng(width)
+  k = 128 // width
+  stored = rng.integers(0, 2**32, (16, 128), dtype=np.uint64).astype(np.uint32).view(dtype)
+  shared = np.arange(k // 2 + 1) + 3 * k  # rows of one physical row
+  rest = rng.permutation(np.setdiff1d(np.arange(16 * k), shared))[: 5 * k]
+  idx = np.concatenate([shared, rest, [16 * k]]).astype(np.int32)  # the last: past the end
+  values = rng.integers(0, 2**32, (idx.size, width), dtype=np.uint64).astype(np.uint32)
+  values[0, 0], values[-2, 0] = 0x7FC00001, 0x80000000  # a NaN and -0.0 as float32
+  args = (jnp.asarray(stored), jnp.asarray(idx), jnp.asarray(values.view(dtype)))
+  got = jax.jit(packing._put_packed_rows)(*args)
+  want = jax.jit(packing._put_row_view)(*args)
+  np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
+  rows = stored.reshape(-1, width).copy()
+  rows[idx[:-1]] = values.view(dtype)[:-1]
+  np.testing.assert_array_equal(
+    np.asarray(got).view(np.uint32), rows.reshape(16, 128).view(np.uint32)
+  )
+
+
+def test_put_rows_on_a_tpu_keeps_the_packed_layout():
+  """Lowered for a TPU, writing packed rows never reshapes the array to its
+  (N * k, width) view (a relayout of the whole array in (8, 128) tiles)."""
+  stored = jax.ShapeDtypeStruct((2048, 128), jnp.float32)
+  idx, values = jax.ShapeDtypeStruct((64,), jnp.int32), jax.ShapeDtypeStruct((64, 16), jnp.float32)
+  put = lambda s, i, v: packing.put_rows(s, i, v, 16)
+  text = jax.jit(put).trace(stored, idx, values).lower(lowering_platforms=("tpu",)).as_text()
+  assert "16384x16" not in text
+  assert (
+    "16384x16"
+    in jax.jit(put).trace(stored, idx, values).lower(lowering_platforms=("cpu",)).as_text()
+  )
+
+
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=OPT_IDS)
 def test_xla_path_on_packed_state_equals_the_logical_update(opt):
   rng = np.random.default_rng(1)
