@@ -293,7 +293,7 @@ def owner_step(
     won = insert_rounds.insert(free, home, admitted, capacity, probe_limit, w.rows is not None)
     slot = jnp.where(won >= 0, won, slot)
     left = admitted & (won < 0)
-    count = read(m.count)  # after the rounds: no (n, W) array lives through them
+    count = read(m.count)  # here, not before the rounds: one (n, W) array fewer through them
     if evict_on_insert:
       has, lane, least = _victims(last, count, w.inside, step, policy=policy, ttl=ttl)
       s = probe_window.slot_of(w, lane, capacity)
