@@ -37,11 +37,12 @@
 
 namespace pallas_emb {
 
-// One device's table and optimizer slots (slot s: slot[s] + row *
-// slot_row_bytes[s]).
+// One device's table and optimizer slots: row r's dim logical values at
+// table + r * table_words (a stored row may be padded past dim), slot s's at
+// slot[s] + r * slot_row_bytes[s].
 struct Shard {
   float* table = nullptr;
-  int64_t num_rows = 0, dim = 0;
+  int64_t num_rows = 0, dim = 0, table_words = 0;
   char* slot[kMaxSlots] = {};
   int64_t slot_row_bytes[kMaxSlots] = {};
 };
@@ -77,7 +78,7 @@ template <class Rule>
 PE_INLINE void PrefetchRow(const Shard& sh, const int32_t* rows, int64_t u,
                            int64_t end) {
   if (u >= end || !HasRow(sh, rows[u])) return;
-  Prefetch<true>(sh.table + int64_t(rows[u]) * sh.dim, sh.dim * 4);
+  Prefetch<true>(sh.table + int64_t(rows[u]) * sh.table_words, sh.dim * 4);
   for (int s = 0; s < Rule::kNumSlots; ++s)
     Prefetch<true>(sh.slot[s] + int64_t(rows[u]) * sh.slot_row_bytes[s],
                    sh.slot_row_bytes[s]);
@@ -151,7 +152,7 @@ inline void SegsumChunk(const Rule& rule, const SegsumPass& p, int c) {
       t0 = t1;
     }
     if (!p.gate || !HasRow(sh, p.rows[u])) continue;
-    float* row = sh.table + int64_t(p.rows[u]) * d;
+    float* row = sh.table + int64_t(p.rows[u]) * sh.table_words;
     char* slot[kMaxSlots];
     RowSlots<Rule>(sh, p.rows[u], slot);
     CopyToLog<Isa>(p.undo + p.log.At(0, u), row, d);
@@ -224,7 +225,7 @@ PE_INLINE void RowChunk(const Rule& rule, const RowPass& p, int c) {
     const float* g = p.grads + u * d;
     char* slot[kMaxSlots];
     RowSlots<Rule>(sh, p.rows[u], slot);
-    rule.Apply(sh.table + int64_t(p.rows[u]) * d, slot, g, SumSquares(g, d),
+    rule.Apply(sh.table + int64_t(p.rows[u]) * sh.table_words, slot, g, SumSquares(g, d),
                p.per_row + u * Rule::kPerRow, d);
   }
 }
@@ -362,7 +363,7 @@ float SegsumUpdate(Pool* pool, const Shard& sh, const Rule& rule,
   if (gate && !std::isfinite(norm)) {
     for (int64_t u = 0; u < num_unique; ++u) {
       if (!ui::HasRow(sh, rows[u])) continue;
-      std::memcpy(sh.table + int64_t(rows[u]) * d, p.undo + p.log.At(0, u),
+      std::memcpy(sh.table + int64_t(rows[u]) * sh.table_words, p.undo + p.log.At(0, u),
                   d * sizeof(float));
       for (int k = 0; k < Rule::kNumSlots; ++k)
         std::memcpy(sh.slot[k] + int64_t(rows[u]) * sh.slot_row_bytes[k],

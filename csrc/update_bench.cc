@@ -132,6 +132,7 @@ int Run(const std::vector<int32_t>& ids, int64_t vocab, int reps, int threads,
   sh.table = HugeArray<float>(vocab * d, 0.0f);
   sh.num_rows = vocab;
   sh.dim = d;
+  sh.table_words = d;
   for (int s = 0; s < Rule::kNumSlots; ++s) {
     const int64_t w = Rule::kSlotWidth[s] < 0 ? d : Rule::kSlotWidth[s];
     sh.slot[s] = reinterpret_cast<char*>(HugeArray<float>(vocab * w, 0.1f));

@@ -271,6 +271,7 @@ def fused_update(t: ShardedTable, table, slots, step, rows, grads, write):
     dtype=spec.dtype,
     backend=t.backend,
     rounding_key=_rounding_key(t, step) if spec.stochastic_rounding else None,
+    dim=spec.dim,
   )
 
 
@@ -292,11 +293,12 @@ def _update_in_one_pass(t: ShardedTable, table, slots, step, res, token_grads, g
     slots,
     res.plan.owner_rows,
     res.plan.token_slot,
-    token_grads,
+    packing.unpadded(token_grads, t.spec.dim),
     opt.scalars(step),
     gate & has_rows,
     optimizer=opt,
     dtype=t.spec.dtype,
+    dim=t.spec.dim,
   )
   apply, _ = norms.gate_and_clip(norm, gate, has_rows)
   return table, slots, norm, apply, apply, res.plan.owner_demand

@@ -13,6 +13,7 @@ and know nothing of training.
 from __future__ import annotations
 
 from pallas_emb.kernels import (
+  checks,
   chip,
   native,
   native_id_map,
@@ -65,16 +66,32 @@ def gather(table, rows, *, dtype, backend: str, dim: int | None = None, in_hbm: 
 
 
 def fused_update(
-  table, slots, rows, grads, scalars, apply, *, optimizer, dtype, backend: str, rounding_key=None
+  table,
+  slots,
+  rows,
+  grads,
+  scalars,
+  apply,
+  *,
+  optimizer,
+  dtype,
+  backend: str,
+  rounding_key=None,
+  dim: int | None = None,
 ):
   """In-place optimizer update of distinct rows; see `xla.fused_update`
   (`rounding_key`: stochastic rounding of bfloat16 rows; the native
-  backend runs float32 tables only). An optimizer whose math cannot run in
-  a kernel (`runs_in_kernel` False) has it run in XLA on the rows the
-  kernels move (`staged_update`)."""
+  backend runs float32 tables only; `dim`: the table's row width, checked
+  against the gradients', see `checks.check_update`). An optimizer whose
+  math cannot run in a kernel (`runs_in_kernel` False) has it run in XLA on
+  the rows the kernels move (`staged_update`)."""
+  checks.check_update(
+    table, slots, rows, grads, scalars, optimizer=optimizer, dtype=dtype,
+    rounding_key=rounding_key, dim=dim,
+  )
   if backend == "native" and rounding_key is None and native.supports(optimizer, dtype):
     return native.fused_update(
-      table, slots, rows, grads, scalars, apply, optimizer=optimizer, dtype=dtype
+      table, slots, rows, grads, scalars, apply, optimizer=optimizer, dtype=dtype, dim=dim
     )
   args = (table, slots, rows, grads, scalars, apply)
   kw = dict(optimizer=optimizer, dtype=dtype, rounding_key=rounding_key)
@@ -104,12 +121,13 @@ def fuses_segment_sum(backend: str, optimizer, dtype) -> bool:
 
 
 def segment_sum_update(
-  table, slots, rows, inverse, token_grads, scalars, gate, *, optimizer, dtype
+  table, slots, rows, inverse, token_grads, scalars, gate, *, optimizer, dtype, dim=None
 ):
   """Sum per row, norm, gate and update in one pass (when
   `fuses_segment_sum`); see `native.segment_sum_update`."""
   return native.segment_sum_update(
-    table, slots, rows, inverse, token_grads, scalars, gate, optimizer=optimizer, dtype=dtype
+    table, slots, rows, inverse, token_grads, scalars, gate, optimizer=optimizer, dtype=dtype,
+    dim=dim,
   )
 
 

@@ -215,16 +215,34 @@ def check_rounding_key(rounding_key, dtype) -> None:
 
 
 def check_update(
-  table, slots, rows, grads, scalars, *, optimizer: RowUpdate, dtype, rounding_key=None
+  table, slots, rows, grads, scalars, *, optimizer: RowUpdate, dtype, rounding_key=None, dim=None
 ) -> int:
-  """The validator of `fused_update` on every backend; returns the row dim."""
+  """The validator of `fused_update` on every backend; returns the row dim.
+
+  Args:
+    dim: the table's logical row width. Given, the table must store rows of
+      that width (as they are, padded or packed) and `grads` must be as
+      wide: a stored (R, 128) table holds R rows of 96 (padded) or 128, or
+      2R of 64 (packed), so the gradients' width alone cannot say which.
+      None: the width is taken from `grads` where the table can hold it
+      (the kernels' direct callers, whose tables are what they pass).
+  """
   check_rounding_key(rounding_key, dtype)
-  dim = check_stored_table(table, dtype)
-  if grads.ndim == 2 and grads.shape[1] != dim and grads.shape[1] > 0:
-    # A packed table's row width is the gradients'.
-    width = packing.storage_width(grads.shape[1], dtype)
-    if width > 0 and packing.num_rows_of(table, width) is not None:
-      dim = grads.shape[1]
+  if dim is not None:
+    check_stored_table(table, dtype, dim)
+    if grads.ndim != 2 or grads.shape[1] != dim:
+      raise InputError(
+        f"grads are {list(grads.shape)}, but the table's rows are {dim} wide (stored "
+        f"{table.dtype}{list(table.shape)}); pass one summed gradient of width {dim} per row "
+        "(strip routing padding with packing.unpadded)."
+      )
+  else:
+    dim = check_stored_table(table, dtype)
+    if grads.ndim == 2 and grads.shape[1] != dim and grads.shape[1] > 0:
+      # A packed or padded table's row width is the gradients'.
+      width = packing.storage_width(grads.shape[1], dtype)
+      if width > 0 and packing.num_rows_of(table, width) is not None:
+        dim = grads.shape[1]
   check_grads(grads, check_rows(rows), dim)
   check_optimizer_state(table, slots, scalars, optimizer, dim, dtype)
   return dim

@@ -159,9 +159,27 @@ def _per_row(rule: _Rule, optimizer: RowUpdate, slots, rows, scalars, dim) -> ja
 
 
 def _call(
-  rule: _Rule, kind: str, table, slots: Mapping[str, jax.Array], operands, extra_results=()
+  rule: _Rule,
+  kind: str,
+  table,
+  slots: Mapping[str, jax.Array],
+  operands,
+  *,
+  optimizer: RowUpdate,
+  dim: int,
+  dtype,
+  extra_results=(),
 ):
   names = rule.slots
+  # The stored widths go with the call: the C++ never infers a row's stride
+  # from the gradients, which are `dim` wide where the stored rows may be
+  # padded (96 -> 128) or packed (16 -> 128-lane physical rows).
+  specs = optimizer.slot_specs()
+  widths = dict(
+    dim=np.int64(dim),
+    table_words=np.int64(checks.row_width(table, dim, dtype)),
+    slot_words=np.array([specs[k].stored_width(dim) for k in names], np.int64),
+  )
   # Slots go in their stored shape: a per-row scalar stored lane-dense,
   # (rows / 128, 128), has the bytes of (rows, 1) in the same order, and the
   # kernels only check its element count. A reshape here would make XLA copy
@@ -177,7 +195,7 @@ def _call(
   first_slot = 1 + len(operands)
   aliases = {0: 0} | {first_slot + i: 1 + extra + i for i in range(len(names))}
   out = jax.ffi.ffi_call(rule.target + kind, results, input_output_aliases=aliases)(
-    table, *operands, *(slots[k] for k in names)
+    table, *operands, *(slots[k] for k in names), **widths
   )
   return out[0], dict(zip(names, out[1 + extra :])), out[1 : 1 + extra]
 
@@ -195,7 +213,7 @@ def _require(optimizer: RowUpdate, dtype) -> _Rule:
 
 
 def fused_update(
-  table, slots, rows, grads, scalars, apply, *, optimizer, dtype
+  table, slots, rows, grads, scalars, apply, *, optimizer, dtype, dim: int | None = None
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """`xla.fused_update` in C++: the listed rows updated in place.
 
@@ -208,25 +226,32 @@ def fused_update(
     apply: bool scalar; when False nothing is written.
     optimizer: one that `supports` accepts.
     dtype: the table's logical dtype (float32).
+    dim: the table's row width; grads must be as wide (see
+      `checks.check_update`). None: the gradients' width.
 
   Returns:
     (table, slots) with only the listed rows changed.
   """
-  checks.check_update(table, slots, rows, grads, scalars, optimizer=optimizer, dtype=dtype)
+  dim = checks.check_update(
+    table, slots, rows, grads, scalars, optimizer=optimizer, dtype=dtype, dim=dim
+  )
   rule = _require(optimizer, dtype)
-  per_row = _per_row(rule, optimizer, slots, rows, scalars, grads.shape[1])
+  per_row = _per_row(rule, optimizer, slots, rows, scalars, dim)
   table, slots, _ = _call(
     rule,
     "RowUpdate",
     table,
     slots,
     (rows, grads, _scalars(rule, scalars), per_row, jnp.asarray(apply, jnp.bool_)),
+    optimizer=optimizer,
+    dim=dim,
+    dtype=dtype,
   )
   return table, slots
 
 
 def segment_sum_update(
-  table, slots, rows, inverse, token_grads, scalars, gate, *, optimizer, dtype
+  table, slots, rows, inverse, token_grads, scalars, gate, *, optimizer, dtype, dim=None
 ):
   """One device's sum, norm, gate and update in one pass, in place.
 
@@ -241,12 +266,14 @@ def segment_sum_update(
     gate: bool scalar; False writes nothing.
     optimizer: one that `supports` accepts.
     dtype: the table's logical dtype (float32).
+    dim: the table's row width; token_grads must be as wide. None: their
+      width.
 
   Returns:
     (table, slots, norm): norm is the () float32 norm of the per-row sums;
     rows are written only if it is finite and `gate` is True.
   """
-  dim = checks.check_stored_table(table, dtype, token_grads.shape[-1])
+  dim = checks.check_stored_table(table, dtype, token_grads.shape[-1] if dim is None else dim)
   checks.check_rows(rows)
   checks.check_grads(
     token_grads,
@@ -271,6 +298,9 @@ def segment_sum_update(
       per_row,
       jnp.asarray(gate, jnp.bool_),
     ),
+    optimizer=optimizer,
+    dim=dim,
+    dtype=dtype,
     extra_results=(jax.ShapeDtypeStruct((), jnp.float32),),
   )
   return table, slots, norm
