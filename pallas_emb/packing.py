@@ -14,8 +14,9 @@ TPU XLA keeps an array whose rows are not a multiple of 128 lanes transposed
 (or padded to 128 lanes) in HBM, so a Mosaic kernel, which wants (8, 128)
 tiles, would relayout the whole table or slot on every step, and XLA's own
 scatter into such an array materialises table-sized temporaries. A per-row
-scalar (w = 1) is the extreme case, k = 128 (`kernels.scalar_slots`); rows
-of width 8 .. 64 are moved by `kernels.sub_rows`.
+scalar (w = 1) is the extreme case, k = 128; the block kernels move a
+packed array's physical rows whole and rotate each row's lanes in VMEM
+(`kernels.block_update`).
 
 Other widths are stored *padded* with zero words to the next width that
 divides 128 or is a multiple of 128 (`padded_width`): 96 -> 128, 48 -> 64,
@@ -41,16 +42,18 @@ Stochastic rounding (`TableSpec.stochastic_rounding`): a float32 value x
 between the bfloat16 neighbours lo < x < hi rounds to hi with probability
 (x - lo) / (hi - lo), so an update far below half a bfloat16 ulp still moves
 the row in expectation where round-to-nearest drops it every time. The
-random 16 bits of each value are a hash of the step's key (`rounding_key`:
-the table's seed, the step and the shard), the value's local row and its
-column: no random state, so the kernel and the XLA path round alike, bit
-for bit, and a step is deterministic for a given seed and mesh. (Keyed by
-the value instead, rows that once hold the same value would round alike
-from then on and never part again.)
+random 16 bits of each value are a hash of what the value is: its table
+(`table_tag`), the table's seed, the step (`rounding_key`), its logical row
+(`row_rounding_keys`) and its column (`rounding_noise`). No random state and
+nothing of where the row is stored: a step rounds alike, bit for bit, on
+every backend, mesh, layout and stacking. (Keyed by the value instead, rows
+that once hold the same value would round alike from then on and never part
+again.)
 """
 
 from __future__ import annotations
 
+import zlib
 from typing import Any, NamedTuple
 
 import jax
@@ -308,22 +311,40 @@ def fmix32(h: jax.Array) -> jax.Array:
   return h ^ (h >> 16)
 
 
-def rounding_key(seed: int, step: jax.Array, shard: jax.Array | int = 0) -> jax.Array:
-  """The uint32 scalar that keys stochastic rounding of a table seeded
-  `seed` (0 <= seed < 2**32) at `step` on `shard` (int32 scalars, traced or
-  not; a replicated table's copies use one shard, 0)."""
-  as_u32 = lambda x: jnp.asarray(x).astype(jnp.uint32).reshape(())
+def table_tag(name: str) -> int:
+  """A table's stable 32-bit tag (CRC-32 of its name): what tells tables
+  apart in the stochastic rounding's noise, whatever physical table (a
+  stack, a shard) holds their rows."""
+  return zlib.crc32(name.encode("utf-8"))
+
+
+def rounding_key(seed: int, step, tag=0) -> jax.Array:
+  """The uint32 key of stochastic rounding of the table tagged `tag`
+  (`table_tag`), seeded `seed` (0 <= seed < 2**32), at `step` (int32,
+  traced or not). `step` and `tag` may be arrays (one per row of a stack's
+  members): the key has their broadcast shape."""
+  as_u32 = lambda x: x.astype(jnp.uint32) if isinstance(x, jax.Array) else jnp.uint32(x)
   return fmix32(
-    fmix32(fmix32(jnp.uint32(seed) ^ jnp.uint32(0x9E3779B9)) + as_u32(step)) + as_u32(shard)
+    fmix32(fmix32(jnp.uint32(seed) ^ jnp.uint32(0x9E3779B9)) + as_u32(jnp.asarray(step)))
+    + as_u32(tag)
   )
 
 
-def rounding_noise(key: jax.Array, rows: jax.Array, dim: int) -> jax.Array:
-  """(C,) or (C, 1) int32 local row ids -> (C, dim) uint32 whose low 16
-  bits are uniform and independent across rows, columns and keys."""
-  rows = rows.reshape(-1, 1).astype(jnp.uint32)
+def row_rounding_keys(key: jax.Array, rows: jax.Array) -> jax.Array:
+  """(C,) uint32 per-row keys of stochastic rounding: `key`
+  (`rounding_key`, a scalar or one per row) and each row's *logical* row in
+  its table (C,) int32, so that a row rounds alike on every mesh, stacking
+  and backend."""
+  return fmix32(key + rows.astype(jnp.uint32) * jnp.uint32(0x9E3779B9))
+
+
+def rounding_noise(row_keys: jax.Array, dim: int) -> jax.Array:
+  """(C,) or (C, 1) uint32 per-row keys (`row_rounding_keys`) -> (C, dim)
+  uint32 whose low 16 bits are uniform and independent across rows,
+  columns and keys."""
+  row_keys = row_keys.reshape(-1, 1).astype(jnp.uint32)
   cols = jax.lax.broadcasted_iota(jnp.uint32, (1, dim), 1)
-  return fmix32(fmix32(key + rows * jnp.uint32(0x9E3779B9)) + cols * jnp.uint32(0x85EBCA6B))
+  return fmix32(row_keys + cols * jnp.uint32(0x85EBCA6B))
 
 
 def _bf16_bits(x: jax.Array, noise: jax.Array | None = None) -> jax.Array:

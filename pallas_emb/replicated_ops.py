@@ -72,7 +72,12 @@ def lookup_shard(t: ShardedTable, table: jax.Array, blocks: Sequence):
   """This device's embeddings from its whole copy of the table."""
   unique, plan = _plan(t, blocks)
   slot_rows = kernels.gather(
-    table, plan.owner_rows, dtype=t.spec.dtype, backend=t.backend, dim=t.spec.dim
+    table,
+    plan.owner_rows,
+    dtype=t.spec.dtype,
+    backend=t.backend,
+    dim=t.spec.dim,
+    ascending=True,
   )
   rows = take_rows(slot_rows, plan.token_slot)
   outs, weights = pool_all(t, blocks, rows, plan.token_slot >= 0)

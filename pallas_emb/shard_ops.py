@@ -148,14 +148,15 @@ def lookup_shard(t: ShardedTable, table: jax.Array, blocks: Sequence):
   # Owners read the rows of the slots they received (one read per source
   # that asked), and each id takes its slot's row.
   slot_rows = kernels.gather(
-    table, plan.recv_rows, dtype=t.spec.dtype, backend=t.backend, dim=t.spec.dim
+    table,
+    plan.recv_rows,
+    dtype=t.spec.dtype,
+    backend=t.backend,
+    dim=t.spec.dim,
+    # On one shard the slots are the owner's unique rows, ascending.
+    ascending=is_identity(plan, t.axis),
   )
-  rows = from_owners(
-    plan,
-    packing.padded(slot_rows, t.route_width(t.spec.dim)),
-    axis_name=t.axis,
-    take=lambda x, idx: kernels.gather(x, idx, dtype=jnp.float32, backend=t.backend, in_hbm=False),
-  )
+  rows = from_owners(plan, packing.padded(slot_rows, t.route_width(t.spec.dim)), axis_name=t.axis)
   rows = packing.unpadded(rows, t.spec.dim)
   outs, weights = pool_all(t, blocks, rows, plan.token_slot >= 0)
   return outs, make_residuals(unique, plan, weights, counts)
@@ -257,8 +258,11 @@ def _psum(t: ShardedTable, x: jax.Array) -> jax.Array:
   return jax.lax.psum(jnp.sum(x, axis=0), t.axis)
 
 
-def fused_update(t: ShardedTable, table, slots, step, rows, grads, write):
-  """`kernels.fused_update` of `t`'s optimizer at `step` on its backend."""
+def fused_update(t: ShardedTable, table, slots, step, rows, grads, write, steps=None):
+  """`kernels.fused_update` of `t`'s optimizer at `step` on its backend.
+
+  `steps`: a stack's (M,) per-member steps, which key each member's
+  stochastic rounding (default `step`)."""
   opt, spec = t.spec.optimizer, t.spec
   return kernels.fused_update(
     table,
@@ -270,16 +274,35 @@ def fused_update(t: ShardedTable, table, slots, step, rows, grads, write):
     optimizer=opt,
     dtype=spec.dtype,
     backend=t.backend,
-    rounding_key=_rounding_key(t, step) if spec.stochastic_rounding else None,
+    rounding_keys=rounding_keys(t, step if steps is None else steps, rows)
+    if spec.stochastic_rounding
+    else None,
     dim=spec.dim,
   )
 
 
-def _rounding_key(t: ShardedTable, step) -> jax.Array:
-  # Shards key their local rows apart; a replicated table's copies must
-  # round alike.
+def rounding_keys(t: ShardedTable, step, rows: jax.Array) -> jax.Array:
+  """(C,) uint32 stochastic-rounding keys of local rows `rows`: each keyed
+  by what the row is, its table (a stack's member), seed, step and logical
+  row, never by where it is stored (shard, stack offset, replica), so that
+  every mesh, stacking and backend rounds it alike.
+
+  Args:
+    step: () int32, or a stack's (M,) per-member steps.
+    rows: (C,) int32 local rows of this device's shard, -1 padding.
+  """
   shard = 0 if t.replicated else jax.lax.axis_index(t.axis)
-  return packing.rounding_key(t.spec.rounding_seed, step, shard)
+  logical = t.layout.logical_of(shard * t.layout.rows_per_shard + jnp.maximum(rows, 0))
+  if t.members is None:
+    tag, start = packing.table_tag(t.name), 0
+  else:
+    member = members_lib.member_of(t.members, logical)
+    pick = lambda xs: jnp.asarray(tuple(xs) + (0,), jnp.uint32)[member]
+    tag, start = pick(t.members.tags), pick(t.members.starts).astype(jnp.int32)
+    step = jnp.concatenate([jnp.asarray(step, jnp.int32).reshape(-1), jnp.zeros((1,), jnp.int32)])
+    step = step[jnp.minimum(member, step.shape[0] - 1)]
+  key = packing.rounding_key(t.spec.rounding_seed, step, tag)
+  return packing.row_rounding_keys(key, logical - start)
 
 
 def _update_in_one_pass(t: ShardedTable, table, slots, step, res, token_grads, gate, clip):
@@ -357,7 +380,9 @@ def _update_members(t: ShardedTable, table, slots, steps, rows, grads, member, a
   def update(table, slots, members, step):
     keep = jnp.concatenate([members, jnp.zeros((1,), bool)])[member]
     kept_rows, kept_grads = members_lib.keep_rows(rows, grads, keep)
-    return fused_update(t, table, slots, step, kept_rows, kept_grads, jnp.any(members))
+    return fused_update(
+      t, table, slots, step, kept_rows, kept_grads, jnp.any(members), steps=steps
+    )
 
   if not reads_step(t.spec.optimizer, t.spec.dim):
     return update(table, slots, apply, steps[0])

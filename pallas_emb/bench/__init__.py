@@ -6,6 +6,5 @@
   (`machine`) and a plot (`plot`); `python -m pallas_emb.bench.report`
   writes README's section from its JSON;
 * `python -m pallas_emb.bench.inputs`: what each input form costs;
-* `dlrm`: the DLRM-shaped step, stacking off against on;
-* `python -m pallas_emb.bench.kernel_report`: what one fused-update call moves.
+* `dlrm`: the DLRM-shaped step, stacking off against on.
 """

@@ -13,9 +13,10 @@ table invalid): once with `backend="pallas"` and once with `backend="xla"`
 each slot (logical rows): whether they are bit-identical, how many entries
 differ, and the largest difference (absolute, and over the largest value).
 
-Timing (`--time`): the median of 20 jitted steps (lookup, a gradient,
-apply_gradients; table donated) of one 1M-row table, 4,096 examples of 21
-ids (W-TPU's shape on one chip), on each backend, interleaved step by step.
+Timing (`--time`): the grid of `tpu_grid` (21 table shapes at W-TPU's batch
+on one chip), each step in its forms side by side: the default path, the
+XLA path, a plain-JAX step, and the HBM floor of its unique rows
+(`--grid_only` times the cases whose names contain one of its words).
 
 Runs on CPU too (backend "interpret" for "pallas", tiny sizes with
 --quick), which is how the test suite checks the program itself.
@@ -34,6 +35,7 @@ import numpy as np
 import optax
 
 import pallas_emb as pe
+from pallas_emb.bench import tpu_grid
 from pallas_emb.job.model import item_history_loss
 
 OPTIMIZERS = {
@@ -165,36 +167,6 @@ def compare(case: Case, *, rows: int, batch: int, bag: int, steps: int, pallas: 
   }
 
 
-def time_steps(case: Case, *, rows: int, batch: int, bag: int, steps: int, pallas: str) -> dict:
-  """Median step time of `case` on `pallas` and "xla", interleaved."""
-  mesh = _one_chip()
-  rng = np.random.default_rng(1)
-  batches = [
-    (jax.device_put(_ids(rng, rows, batch, bag)), jax.device_put(np.zeros(batch, np.float32)))
-    for _ in range(4)
-  ]
-  runs = {}
-  for backend in (pallas, "xla"):
-    emb = _embedding(case, rows, backend, mesh)
-    runs[backend] = dict(step=step_fn(emb), tables=emb.init(jax.random.key(0)), times=[])
-  for i in range(steps + 2):
-    for run in runs.values():
-      ids, label = batches[i % len(batches)]
-      tic = time.perf_counter()
-      run["tables"], acts = run["step"](run["tables"], ids, label)
-      jax.block_until_ready((run["tables"], acts))
-      if i >= 2:  # the first two compile and warm up
-        run["times"].append(time.perf_counter() - tic)
-  ms = {b: 1e3 * float(np.median(r["times"])) for b, r in runs.items()}
-  return {
-    "case": case.name,
-    "rows": rows,
-    "ids": batch * (bag + 1),
-    "median_ms": ms,
-    "pallas_over_xla": ms[pallas] / ms["xla"],
-  }
-
-
 def time_parts(case: Case, *, rows: int, batch: int, bag: int, steps: int, pallas: str) -> dict:
   """Median times of the lookup alone and of apply_gradients alone (from
   one lookup's residuals and a fixed gradient), per backend, interleaved."""
@@ -234,7 +206,11 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--json", default=None)
   ap.add_argument("--quick", action="store_true", help="one case, tiny sizes (a smoke test)")
-  ap.add_argument("--time", action="store_true", help="also time W-TPU's step on one chip")
+  ap.add_argument("--time", action="store_true", help="also time the grid of steps on one chip")
+  ap.add_argument(
+    "--grid_only", default="", help="comma-separated words: time the grid cases naming one"
+  )
+  ap.add_argument("--steps", type=int, default=20, help="timed steps per form")
   ap.add_argument(
     "--parts", action="store_true", help="also time the lookup and the update apart, two batches"
   )
@@ -257,10 +233,18 @@ def main(argv=None):
     report["cases"].append(r)
     print(json.dumps(r), flush=True)
   if a.time:
-    report["timing"] = []
-    for case in (Case("float32", 128, "rowwise_adagrad"), Case("bfloat16", 64, "rowwise_adagrad")):
-      t = time_steps(case, rows=1_000_000, batch=4096, bag=20, steps=20, pallas=pallas)
-      report["timing"].append(t)
+    report["grid"] = []
+    words = [w for w in a.grid_only.split(",") if w]
+    for case in tpu_grid.grid():
+      if words and not any(w in case.name for w in words):
+        continue
+      if a.quick:  # the program on CPU: a small table, a small batch
+        case = dataclasses.replace(case, rows=4096, batch=64)
+      try:
+        t = tpu_grid.time_case(case, steps=a.steps, mesh=_one_chip())
+      except Exception as e:  # reported, not hidden
+        t = {"case": case.name, "error": f"{type(e).__name__}: {str(e)[:2000]}"}
+      report["grid"].append(t)
       print(json.dumps(t), flush=True)
   if a.parts:
     report["parts"] = []

@@ -1,24 +1,28 @@
 """Row gather and fused optimizer update over one device's row shard.
 
 `gather` and `fused_update` dispatch on a backend name ("pallas",
-"interpret", "xla", "native"); see `backend.py`. The Pallas kernels are
-`pallas_gather` and `pallas_update`, the XLA path (their oracle) is `xla`.
-The native CPU backend adds two operations: `unique_impl`, the dedup core
-that `sharding.dedup` takes, and `segment_sum_update`, one device's whole
-update in one pass. A leaf of the package: kernels import only `errors` and
-`packing`, take any optimizer with `update_rows` (see `protocol.RowUpdate`)
-and know nothing of training.
+"interpret", "xla", "native"; see `backend.py`) and, on a TPU, on a cost
+model (`forms`): the block sweep kernels (`block_gather`, `block_update`)
+where they are cheaper for the table and step shape, XLA's own gather and
+scatter (`xla`, also the oracle) where they are not. The native CPU backend
+adds two operations: `unique_impl`, the dedup core that `sharding.dedup`
+takes, and `segment_sum_update`, one device's whole update in one pass. A
+leaf of the package: kernels import only `errors` and `packing`, take any
+optimizer with `update_rows` (see `protocol.RowUpdate`) and know nothing of
+training.
 """
 
 from __future__ import annotations
 
 from pallas_emb.kernels import (
+  block_gather,
+  block_update,
+  blocks,
   checks,
   chip,
+  forms,
   native,
   native_id_map,
-  pallas_gather,
-  pallas_update,
   staged_update,
   xla,
 )
@@ -30,8 +34,8 @@ def _kernel_mode(backend: str) -> bool:
   return check_name(backend) == "interpret"
 
 
-def uses_kernel(backend: str, table, slots=None, optimizer=None) -> bool:
-  """Whether `backend` runs the Pallas kernels on this stored table shard.
+def uses_kernel(backend: str, table, slots=None) -> bool:
+  """Whether `backend` may run the Pallas kernels on this stored table shard.
 
   On a TPU a Mosaic operand is (8, 128)-tiled, but XLA keeps an array whose
   stored rows are not a multiple of 128 lanes wide transposed in HBM, so a
@@ -40,28 +44,75 @@ def uses_kernel(backend: str, table, slots=None, optimizer=None) -> bool:
   slot is stored lane-dense (`pallas_emb.packing`): rows of a width that
   divides 128 packed 128 / width to a physical row, other widths padded to
   one that divides 128 or is a multiple of it; only a shard too small to
-  hold whole physical rows stays narrow. The interpreter ("interpret") runs
-  the kernels at any width: that is how they are tested. The update kernel
-  also needs whole 128-row groups of a shard with per-row scalar slots.
+  hold whole physical rows stays narrow (a per-row scalar slot of a shard
+  that is not whole 128-row groups, too). The interpreter ("interpret") runs
+  the kernels at any width: that is how they are tested.
   """
   if check_name(backend) in ("xla", "native"):
-    return False
-  if slots is not None and not pallas_update.supports(table, slots, optimizer.slot_specs()):
     return False
   arrays = [table] + list((slots or {}).values())
   return backend == "interpret" or all(a.shape[1] % chip.LANES == 0 for a in arrays)
 
 
-def gather(table, rows, *, dtype, backend: str, dim: int | None = None, in_hbm: bool = True):
+def _block_rows(arrays, num_rows: int, dim: int, dtype) -> int:
+  """The block of a sweep of these arrays (`blocks.block_rows`)."""
+  row_bytes = max(a.size * a.dtype.itemsize // max(num_rows, 1) for a in arrays)
+  return blocks.block_rows(num_rows, row_bytes, block_update.DEFAULT_BLOCK_BYTES)
+
+
+def gather_form(backend: str, table, num_ids: int, *, dim: int, dtype, ascending: bool) -> str:
+  """"block" or "xla": the form of a gather of `num_ids` rows on `backend`
+  (the block form needs ascending ids)."""
+  if not ascending or not uses_kernel(backend, table):
+    return "xla"
+  if backend == "interpret":
+    return "block"
+  rows = checks.table_rows(table, dim, dtype)
+  block = _block_rows([table], rows, dim, dtype)
+  return forms.pick(
+    forms.gather_costs(
+      table_bytes=table.size * table.dtype.itemsize,
+      num_rows=rows,
+      num_ids=num_ids,
+      block_rows=block,
+      packed=table.shape[1] != checks.row_width(table, dim, dtype),
+    )
+  )
+
+
+def gather(
+  table, rows, *, dtype, backend: str, dim: int | None = None, ascending: bool = False
+):
   """(C,) local rows (-1 padding) of a stored table -> (C, dim) float32.
 
   `dim`: the row width, for a table that may be stored packed
-  (`pallas_emb.packing`); None for rows stored as they are. `in_hbm`: see
-  `pallas_gather.gather` (False for rows the step computed)."""
-  if not uses_kernel(backend, table):
+  (`pallas_emb.packing`); None for rows stored as they are. `ascending`:
+  the rows are ascending, padding last (an owner's unique rows on one
+  shard), which the block form needs."""
+  dim = checks.check_gather(table, rows, dtype, dim)
+  form = gather_form(backend, table, rows.shape[0], dim=dim, dtype=dtype, ascending=ascending)
+  if form == "xla":
     return xla.gather(table, rows, dtype=dtype, dim=dim)
-  return pallas_gather.gather(
-    table, rows, dtype=dtype, dim=dim, interpret=_kernel_mode(backend), in_hbm=in_hbm
+  return block_gather.gather(table, rows, dtype=dtype, dim=dim, interpret=_kernel_mode(backend))
+
+
+def update_form(backend: str, table, slots, num_ids: int, *, dim: int, dtype) -> str:
+  """"block" or "xla": the form of an update of `num_ids` rows on `backend`
+  (a kernel backend; "native" and "xla" run their own)."""
+  if not uses_kernel(backend, table, slots):
+    return "xla"
+  if backend == "interpret":
+    return "block"
+  rows = checks.table_rows(table, dim, dtype)
+  arrays = [table] + list(slots.values())
+  return forms.pick(
+    forms.update_costs(
+      array_bytes=[a.size * a.dtype.itemsize for a in arrays],
+      num_rows=rows,
+      num_ids=num_ids,
+      block_rows=_block_rows(arrays, rows, dim, dtype),
+      packed=table.shape[1] != checks.row_width(table, dim, dtype),
+    )
   )
 
 
@@ -76,30 +127,29 @@ def fused_update(
   optimizer,
   dtype,
   backend: str,
-  rounding_key=None,
+  rounding_keys=None,
   dim: int | None = None,
 ):
-  """In-place optimizer update of distinct rows; see `xla.fused_update`
-  (`rounding_key`: stochastic rounding of bfloat16 rows; the native
-  backend runs float32 tables only; `dim`: the table's row width, checked
-  against the gradients', see `checks.check_update`). An optimizer whose
-  math cannot run in a kernel (`runs_in_kernel` False) has it run in XLA on
-  the rows the kernels move (`staged_update`)."""
-  checks.check_update(
+  """In-place optimizer update of distinct rows, ascending, padding last;
+  see `xla.fused_update` (`rounding_keys`: (U,) uint32 per-row keys of
+  stochastic rounding of bfloat16 rows; the native backend runs float32
+  tables only; `dim`: the table's row width, checked against the
+  gradients', see `checks.check_update`). An optimizer whose math cannot run
+  in a kernel (`runs_in_kernel` False) has it run in XLA on the rows the
+  block kernels move (`staged_update`)."""
+  dim = checks.check_update(
     table, slots, rows, grads, scalars, optimizer=optimizer, dtype=dtype,
-    rounding_key=rounding_key, dim=dim,
+    rounding_keys=rounding_keys, dim=dim,
   )
-  if backend == "native" and rounding_key is None and native.supports(optimizer, dtype):
-    return native.fused_update(
-      table, slots, rows, grads, scalars, apply, optimizer=optimizer, dtype=dtype, dim=dim
-    )
   args = (table, slots, rows, grads, scalars, apply)
-  kw = dict(optimizer=optimizer, dtype=dtype, rounding_key=rounding_key)
-  if not uses_kernel(backend, table, slots, optimizer):
+  kw = dict(optimizer=optimizer, dtype=dtype, rounding_keys=rounding_keys, dim=dim)
+  if backend == "native" and rounding_keys is None and native.supports(optimizer, dtype):
+    return native.fused_update(*args, optimizer=optimizer, dtype=dtype, dim=dim)
+  if update_form(backend, table, slots, rows.shape[0], dim=dim, dtype=dtype) == "xla":
     return xla.fused_update(*args, **kw)
   if not getattr(optimizer, "runs_in_kernel", True):
     return staged_update.fused_update(*args, **kw, interpret=_kernel_mode(backend))
-  return pallas_update.fused_update(*args, **kw, interpret=_kernel_mode(backend))
+  return block_update.fused_update(*args, **kw, interpret=_kernel_mode(backend))
 
 
 def unique_impl(backend: str):
@@ -137,6 +187,8 @@ __all__ = [
   "fused_update",
   "fuses_segment_sum",
   "gather",
+  "gather_form",
+  "update_form",
   "resolve_backend",
   "segment_sum_update",
   "unique_impl",

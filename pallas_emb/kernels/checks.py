@@ -197,25 +197,27 @@ def check_optimizer_state(table, slots, scalars, optimizer: RowUpdate, dim: int,
   check_scalars(scalars)
 
 
-def check_rounding_key(rounding_key, dtype) -> None:
-  """None (round to nearest even), or a uint32 scalar keying stochastic
-  rounding, which only a bfloat16 table has."""
-  if rounding_key is None:
+def check_rounding_keys(rounding_keys, num_ids: int, dtype) -> None:
+  """None (round to nearest even), or (U,) uint32 per-row keys of
+  stochastic rounding (`packing.row_rounding_keys`), which only a bfloat16
+  table has."""
+  if rounding_keys is None:
     return
-  if np.dtype(rounding_key.dtype) != np.uint32 or np.size(rounding_key) != 1:
+  if np.dtype(rounding_keys.dtype) != np.uint32 or tuple(rounding_keys.shape) != (num_ids,):
     raise InputError(
-      f"rounding_key must be a uint32 scalar (packing.rounding_key(seed, step)), got "
-      f"{rounding_key.dtype}{list(np.shape(rounding_key))}."
+      f"rounding_keys must be uint32[{num_ids}], one per row id "
+      f"(packing.row_rounding_keys(packing.rounding_key(seed, step, tag), logical_rows)), got "
+      f"{rounding_keys.dtype}{list(np.shape(rounding_keys))}."
     )
   if np.dtype(dtype) != packing.SUPPORTED_DTYPES[1]:
     raise InputError(
-      f"rounding_key: stochastic rounding applies to bfloat16 rows only, and this table is "
-      f"{np.dtype(dtype)} (stored exactly); pass rounding_key=None."
+      f"rounding_keys: stochastic rounding applies to bfloat16 rows only, and this table is "
+      f"{np.dtype(dtype)} (stored exactly); pass rounding_keys=None."
     )
 
 
 def check_update(
-  table, slots, rows, grads, scalars, *, optimizer: RowUpdate, dtype, rounding_key=None, dim=None
+  table, slots, rows, grads, scalars, *, optimizer: RowUpdate, dtype, rounding_keys=None, dim=None
 ) -> int:
   """The validator of `fused_update` on every backend; returns the row dim.
 
@@ -227,7 +229,7 @@ def check_update(
       None: the width is taken from `grads` where the table can hold it
       (the kernels' direct callers, whose tables are what they pass).
   """
-  check_rounding_key(rounding_key, dtype)
+  check_rounding_keys(rounding_keys, check_rows(rows), dtype)
   if dim is not None:
     check_stored_table(table, dtype, dim)
     if grads.ndim != 2 or grads.shape[1] != dim:

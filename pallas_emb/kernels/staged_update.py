@@ -8,16 +8,17 @@ by word (`pod_check --pipelines=sync --optimizer=optax_rows`, W-TPU at
 D = 16 on v5e:2x2: 275 MiB of temp and 368 GB accessed for a 15 MiB
 table). Here only the math runs in XLA, on the listed rows:
 
-1. the gather kernel reads the listed rows of the table and of each slot
-   (an int32 slot's words travel as float32 bit patterns,
+1. the block gather (`block_gather`) reads the listed rows of the table and
+   of each slot (an int32 slot's words travel as float32 bit patterns,
    `packing.WORD_DTYPES`);
 2. `optimizer.update_rows` runs in XLA on those (C, width) blocks, as on
    the XLA path;
-3. the update kernel writes each array's new rows back, one call per array,
-   with `_ASSIGN`: an update whose new rows are its "gradients".
+3. the block update (`block_update`) writes each array's new rows back, one
+   call per array, with `_ASSIGN`: an update whose new rows are its
+   "gradients".
 
-Per id each array's row is read twice (by the gather, and by the update
-kernel before it writes) and written once; nothing is table-sized. The
+Each array is swept twice (by the gather, and by the update); nothing
+table-sized is copied. The
 values are the XLA path's bit for bit: the same `update_rows` on the same
 rows, written as the XLA path writes them (`packing.pack_rows`, bfloat16
 rounded stochastically with the same noise).
@@ -33,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_emb import packing
-from pallas_emb.kernels import checks, pallas_gather, pallas_update
+from pallas_emb.kernels import block_gather, block_update, checks
 from pallas_emb.kernels.protocol import RowUpdate
 
 
@@ -66,13 +67,13 @@ def fused_update(
   *,
   optimizer: RowUpdate,
   dtype,
-  rounding_key: jax.Array | None = None,
+  rounding_keys: jax.Array | None = None,
+  dim: int | None = None,
   interpret=False,
-  chunk_rows: int = pallas_update.DEFAULT_CHUNK_ROWS,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """`optimizer` applied to the listed rows, in place; arguments and result
-  as for `pallas_update.fused_update` (rows ascending, padding last)."""
-  kw = dict(optimizer=optimizer, dtype=dtype, rounding_key=rounding_key)
+  as for `block_update.fused_update` (rows ascending, padding last)."""
+  kw = dict(optimizer=optimizer, dtype=dtype, rounding_keys=rounding_keys, dim=dim)
   dim = checks.check_update(table, slots, rows, grads, scalars, **kw)
   if rows.shape[0] == 0:
     return table, dict(slots)
@@ -82,13 +83,11 @@ def fused_update(
   def read(array, array_dtype, width):
     """(C, width) float32: the listed rows (an int32 array's words as bit
     patterns: `packing.unpack_rows`)."""
-    return pallas_gather.gather(
-      array, rows, dtype=array_dtype, dim=width, interpret=interpret, chunk_rows=chunk_rows
-    )
+    return block_gather.gather(array, rows, dtype=array_dtype, dim=width, interpret=interpret)
 
-  def write(array, array_dtype, new, key=None):
+  def write(array, array_dtype, new, keys=None):
     """The array with the listed rows set to (C, width) float32 `new`."""
-    out, _ = pallas_update.fused_update(
+    out, _ = block_update.fused_update(
       array,
       {},
       rows,
@@ -97,15 +96,14 @@ def fused_update(
       apply,
       optimizer=_ASSIGN,
       dtype=array_dtype,
-      rounding_key=key,
+      rounding_keys=keys,
       interpret=interpret,
-      chunk_rows=chunk_rows,
     )
     return out
 
   old_slots = {k: packing.pack_rows(read(v, v.dtype, widths[k]), v.dtype) for k, v in slots.items()}
   new_rows, new_slots = optimizer.update_rows(read(table, dtype, dim), old_slots, grads, scalars)
-  return write(table, dtype, new_rows.astype(jnp.float32), rounding_key), {
+  return write(table, dtype, new_rows.astype(jnp.float32), rounding_keys), {
     k: write(v, v.dtype, packing.unpack_rows(new_slots[k].astype(v.dtype), v.dtype))
     for k, v in slots.items()
   }

@@ -42,8 +42,51 @@ def gather(table: jax.Array, rows: jax.Array, *, dtype, dim: int | None = None) 
   return packing.unpack_rows(packing.take_rows(table, idx, width), dtype, dim)
 
 
+def update_stored_rows(words, slots, grads, scalars, *, optimizer: RowUpdate, dtype, noise=None):
+  """Stored rows -> updated stored rows: `optimizer.update_rows` between the
+  storage's unpacking and packing, what every form runs on the rows it
+  moved (this path on all of them, the block kernels per 8-row group).
+
+  Args:
+    words: (C, W) stored table rows (padding words included).
+    slots: name -> (C, stored width) stored slot rows.
+    grads: (C, dim) float32.
+    scalars: `optimizer.scalars(step)`.
+    noise: None, or (C, dim) uint32 stochastic rounding bits of bfloat16
+      rows (`packing.rounding_noise`).
+
+  Returns:
+    (words, slots) of the same shapes; the math saw rows of their logical
+    width, and pad words are written zero.
+  """
+  dim = grads.shape[1]
+  specs = optimizer.slot_specs()
+  new_rows, new_slots = optimizer.update_rows(
+    packing.unpack_rows(words, dtype, dim),
+    {k: packing.unpadded(v, specs[k].width_for(dim)) for k, v in slots.items()},
+    grads,
+    scalars,
+  )
+  packed = packing.padded(
+    packing.pack_rows(new_rows, dtype, noise).astype(words.dtype), words.shape[1]
+  )
+  return packed, {
+    k: packing.padded(new_slots[k].astype(v.dtype), v.shape[1]) for k, v in slots.items()
+  }
+
+
 def fused_update(
-  table, slots, rows, grads, scalars, apply, *, optimizer: RowUpdate, dtype, rounding_key=None
+  table,
+  slots,
+  rows,
+  grads,
+  scalars,
+  apply,
+  *,
+  optimizer: RowUpdate,
+  dtype,
+  rounding_keys=None,
+  dim: int | None = None,
 ):
   """Applies `optimizer` to the listed rows, in place when donated.
 
@@ -57,27 +100,29 @@ def fused_update(
     apply: bool scalar; when False nothing is written.
     optimizer: supplies `update_rows`.
     dtype: the table's logical dtype.
-    rounding_key: None rounds bfloat16 rows to nearest even; a uint32
-      scalar (`packing.rounding_key(seed, step)`) rounds them stochastically.
+    rounding_keys: None rounds bfloat16 rows to nearest even; (C,) uint32
+      per-row keys (`packing.row_rounding_keys`) round them stochastically.
+    dim: the table's row width (None: the gradients'; see
+      `checks.check_update`).
 
   Returns:
     (table, slots) with only the listed rows changed.
   """
-  kw = dict(optimizer=optimizer, dtype=dtype, rounding_key=rounding_key)
+  kw = dict(optimizer=optimizer, dtype=dtype, rounding_keys=rounding_keys, dim=dim)
   dim = checks.check_update(table, slots, rows, grads, scalars, **kw)
   width = packing.storage_width(dim, dtype)
   idx = _out_of_bounds(rows, checks.table_rows(table, dim, dtype), apply)
   specs = optimizer.slot_specs()
   widths = {k: specs[k].stored_width(dim) for k in slots}
-  noise = None if rounding_key is None else packing.rounding_noise(rounding_key, rows, dim)
-  new_rows, new_slots = optimizer.update_rows(
-    packing.unpack_rows(packing.take_rows(table, idx, width), dtype, dim),
-    {
-      k: packing.unpadded(packing.take_rows(v, idx, widths[k]), specs[k].width_for(dim))
-      for k, v in slots.items()
-    },
+  noise = None if rounding_keys is None else packing.rounding_noise(rounding_keys, dim)
+  words, new_slots = update_stored_rows(
+    packing.take_rows(table, idx, width),
+    {k: packing.take_rows(v, idx, widths[k]) for k, v in slots.items()},
     grads,
     scalars,
+    optimizer=optimizer,
+    dtype=dtype,
+    noise=noise,
   )
-  table = packing.put_rows(table, idx, packing.pack_rows(new_rows, dtype, noise), width)
+  table = packing.put_rows(table, idx, words, width)
   return table, {k: packing.put_rows(v, idx, new_slots[k], widths[k]) for k, v in slots.items()}

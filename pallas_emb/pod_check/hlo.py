@@ -135,7 +135,7 @@ def kernel_calls(text: str) -> int:
 
 def kernels_by_name(text: str) -> dict[str, int]:
   """Pallas (Mosaic) kernel launches per step, by the jitted function that
-  issued the `pallas_call` (`_gather_call`, `_fused_update_call`, ...)."""
+  issued the `pallas_call` (`_block_gather_call`, `_block_update_call`)."""
   counts = collections.Counter()
   for _, _, op, line in _instructions(text, entry_only=False):
     if op == "custom-call" and "tpu_custom_call" in line:

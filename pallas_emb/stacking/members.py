@@ -43,11 +43,13 @@ class Members:
     sizes: the rows of each member.
     feature_member: the member each feature of the stacked table reads, in
       the table's token order.
+    tags: each member's `packing.table_tag` (its stochastic rounding's).
   """
 
   starts: tuple[int, ...]
   sizes: tuple[int, ...]
   feature_member: tuple[int, ...]
+  tags: tuple[int, ...] = ()
 
   @property
   def count(self) -> int:

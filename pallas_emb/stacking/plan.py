@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 
 import jax
 
+from pallas_emb import packing
 from pallas_emb.errors import InputError, SpecError
 from pallas_emb.spec import FeatureSpec, TableSpec
 from pallas_emb.stacking.members import Members
@@ -128,7 +129,10 @@ def _group(name: str, tables, indices, features, num_shards, replicated=False) -
   )
   names = [t.name for t in tables]
   members = Members(
-    starts, tuple(t.num_rows for t in tables), tuple(names.index(f.table) for f in feats)
+    starts,
+    tuple(t.num_rows for t in tables),
+    tuple(names.index(f.table) for f in feats),
+    tuple(packing.table_tag(n) for n in names),
   )
   return Group(
     spec,
