@@ -40,7 +40,7 @@ from pallas_emb.kernels.backend import platform_of
 from pallas_emb.sharded_table import ShardedTable
 from pallas_emb.state import TableState, to_host
 from pallas_emb.vocabulary import DynamicVocabulary, raw_ids, vocab_keys
-from sharding import id_map
+from sharding import id_map, map_slots
 from sharding.id_map import IdMap
 from sharding.layout import round_up
 
@@ -132,8 +132,9 @@ def _reset(t: ShardedTable, table, slots, reset, key, step):
   def init_chunk(c, state):
     table, slots = state
     slot = jax.lax.dynamic_slice_in_dim(packed, c * chunk, chunk)
-    at = jnp.where(slot >= 0, slot, rps)
-    logical = jnp.maximum(layout.logical_of(me * rps + jnp.maximum(slot, 0)), 0)
+    row = map_slots.slot_rows(layout, me, jnp.maximum(slot, 0))
+    at = jnp.where(slot >= 0, row, rps)
+    logical = jnp.maximum(layout.logical_of(me * rps + row), 0)
     keys_ = jax.random.wrap_key_data(new_row_keys(key, logical, step), impl=threefry.IMPL)
     rows = jax.vmap(lambda k: spec.initializer(k, (spec.dim,), jnp.float32))(keys_)
     # The table may be stored packed (rows narrower than 128 lanes): write sub-rows.
@@ -248,7 +249,7 @@ def resident(t: ShardedTable, vs: VocabState) -> tuple[np.ndarray, np.ndarray]:
   """(raw ids int64, logical rows int32) of every resident id, by row."""
   m = id_map.IdMap(*(to_host(x) for x in vs.map))
   held = np.flatnonzero(m.last >= 0)
-  rows = t.layout.logical_of(held.astype(np.int64))
+  rows = t.layout.logical_of(map_slots.physical_rows(t.layout, held.astype(np.int64)))
   order = np.argsort(rows, kind="stable")
   words = np.stack([m.key_hi[held], m.key_lo[held]], -1)[order]
   return raw_ids(words, t.spec.vocabulary), rows[order].astype(np.int32)

@@ -14,9 +14,8 @@ TPU XLA keeps an array whose rows are not a multiple of 128 lanes transposed
 (or padded to 128 lanes) in HBM, so a Mosaic kernel, which wants (8, 128)
 tiles, would relayout the whole table or slot on every step, and XLA's own
 scatter into such an array materialises table-sized temporaries. A per-row
-scalar (w = 1) is the extreme case, k = 128; the block kernels move a
-packed array's physical rows whole and rotate each row's lanes in VMEM
-(`kernels.block_update`).
+scalar (w = 1) is the extreme case, k = 128; the block kernels rotate each
+row's lanes out of its physical row in VMEM (`kernels.block_update`).
 
 Other widths are stored *padded* with zero words to the next width that
 divides 128 or is a multiple of 128 (`padded_width`): 96 -> 128, 48 -> 64,

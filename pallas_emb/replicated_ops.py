@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_emb import kernels, norms, pooling
-from pallas_emb.shard_ops import fused_update, make_residuals, pool_all
+from pallas_emb.shard_kernels import fused_update
+from pallas_emb.shard_ops import make_residuals, pool_all
 from pallas_emb.sharded_table import ShardedTable
 from pallas_emb.state import TableMetrics, TableResiduals
 from sharding.dedup import Unique, dedup, unique_keys

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from pallas_emb import kernels, norms, packing, pooling
 from pallas_emb.inputs import token_shape
 from pallas_emb.optimizers.base import reads_step
+from pallas_emb.shard_kernels import fused_update
 from pallas_emb.sharded_table import ShardedTable
 from pallas_emb.stacking import members as members_lib
 from pallas_emb.state import TableMetrics, TableResiduals
@@ -258,53 +259,6 @@ def _psum(t: ShardedTable, x: jax.Array) -> jax.Array:
   return jax.lax.psum(jnp.sum(x, axis=0), t.axis)
 
 
-def fused_update(t: ShardedTable, table, slots, step, rows, grads, write, steps=None):
-  """`kernels.fused_update` of `t`'s optimizer at `step` on its backend.
-
-  `steps`: a stack's (M,) per-member steps, which key each member's
-  stochastic rounding (default `step`)."""
-  opt, spec = t.spec.optimizer, t.spec
-  return kernels.fused_update(
-    table,
-    slots,
-    rows,
-    packing.unpadded(grads, spec.dim),  # routed `route_width` wide
-    opt.scalars(step),
-    write,
-    optimizer=opt,
-    dtype=spec.dtype,
-    backend=t.backend,
-    rounding_keys=rounding_keys(t, step if steps is None else steps, rows)
-    if spec.stochastic_rounding
-    else None,
-    dim=spec.dim,
-  )
-
-
-def rounding_keys(t: ShardedTable, step, rows: jax.Array) -> jax.Array:
-  """(C,) uint32 stochastic-rounding keys of local rows `rows`: each keyed
-  by what the row is, its table (a stack's member), seed, step and logical
-  row, never by where it is stored (shard, stack offset, replica), so that
-  every mesh, stacking and backend rounds it alike.
-
-  Args:
-    step: () int32, or a stack's (M,) per-member steps.
-    rows: (C,) int32 local rows of this device's shard, -1 padding.
-  """
-  shard = 0 if t.replicated else jax.lax.axis_index(t.axis)
-  logical = t.layout.logical_of(shard * t.layout.rows_per_shard + jnp.maximum(rows, 0))
-  if t.members is None:
-    tag, start = packing.table_tag(t.name), 0
-  else:
-    member = members_lib.member_of(t.members, logical)
-    pick = lambda xs: jnp.asarray(tuple(xs) + (0,), jnp.uint32)[member]
-    tag, start = pick(t.members.tags), pick(t.members.starts).astype(jnp.int32)
-    step = jnp.concatenate([jnp.asarray(step, jnp.int32).reshape(-1), jnp.zeros((1,), jnp.int32)])
-    step = step[jnp.minimum(member, step.shape[0] - 1)]
-  key = packing.rounding_key(t.spec.rounding_seed, step, tag)
-  return packing.row_rounding_keys(key, logical - start)
-
-
 def _update_in_one_pass(t: ShardedTable, table, slots, step, res, token_grads, gate, clip):
   """One device on the native backend, nothing to route or clip: the slot
   sums, norm, gate and update are one native pass."""
@@ -380,9 +334,7 @@ def _update_members(t: ShardedTable, table, slots, steps, rows, grads, member, a
   def update(table, slots, members, step):
     keep = jnp.concatenate([members, jnp.zeros((1,), bool)])[member]
     kept_rows, kept_grads = members_lib.keep_rows(rows, grads, keep)
-    return fused_update(
-      t, table, slots, step, kept_rows, kept_grads, jnp.any(members), steps=steps
-    )
+    return fused_update(t, table, slots, step, kept_rows, kept_grads, jnp.any(members), steps=steps)
 
   if not reads_step(t.spec.optimizer, t.spec.dim):
     return update(table, slots, apply, steps[0])

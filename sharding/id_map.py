@@ -3,9 +3,10 @@ and its step, with static shapes only.
 
 Every function here runs inside `jax.shard_map` over the table axis (the
 `init_map` shapes excepted, which are global): each device owns the map of
-its row shard, `capacity` open-addressing slots, slot j being its physical
-row `shard * capacity + j`. Keys are 64-bit, as two uint32 words (high,
-low), already well-mixed hashes of the raw ids (`pallas_emb.vocabulary`):
+its row shard, `capacity` open-addressing slots, slot j being a physical row
+of the shard (`sharding.map_slots`; slot j is row j on an even layout). Keys
+are 64-bit, as two uint32 words (high, low), already well-mixed hashes of
+the raw ids (`pallas_emb.vocabulary`):
 the owner of a key is `high % num_shards`, its home slot `low % capacity`,
 and it may live in the `probe_limit` slots from its home on (linear
 probing, wrapping; a lookup reads the whole window, so evictions leave no
@@ -53,12 +54,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sharding import insert_rounds, key_route, probe_window, reorder
+from sharding import insert_rounds, key_route, map_slots, probe_window, reorder
 from sharding.key_route import PAD
 from sharding.layout import RowLayout
 
-# Rows of a token: -1 padding (as the static path), MISS when no row.
-MISS = -2
+MISS = -2  # a token's row when it has none (-1 is padding, as the static path's)
 _MUL1, _MUL2 = np.uint32(0x85EBCA6B), np.uint32(0xC2B2AE35)
 _SALTS = np.array([0x9E3779B9, 0x7F4A7C15, 0xF39CC060, 0x5CEDC834, 0x1B873593, 0xCC9E2D51,
                    0xE6546B64, 0x27D4EB2F], np.uint32)  # fmt: skip
@@ -336,8 +336,9 @@ def translate(
     m: this shard's `IdMap`.
     words: (T, 2) uint32 key words of this source's tokens, (PAD, PAD) for
       padding.
-    layout: the table's rows (capacity = `layout.rows_per_shard`); slots
-      whose physical row holds no logical row are never used.
+    layout: the table's rows (capacity = `layout.rows_per_shard`); slot j
+      is physical row `map_slots.slot_rows(layout, shard, j)`, and slots
+      whose row holds no logical row are never used.
     key_capacity: distinct keys this source may send one owner
       (`sharding.key_route`); the tokens of keys beyond it get no row.
     train: False reads only: nothing is counted, inserted or evicted.
@@ -355,13 +356,13 @@ def translate(
   shards, capacity = layout.num_shards, layout.rows_per_shard
   me = jax.lax.axis_index(axis_name)
   valid = ~((words[:, 0] == PAD) & (words[:, 1] == PAD))
-  usable = None  # every slot's physical row holds a logical row
+  usable = None  # every slot's row holds a logical row
   if layout.num_physical_rows != layout.num_rows:
-    usable = layout.logical_of(me * capacity + jnp.arange(capacity, dtype=jnp.int32)) >= 0
+    usable = map_slots.usable(layout, me, jnp.arange(capacity, dtype=jnp.int32))
   if impl is not None and usable is None:  # the native kernels take the array
     usable = jnp.ones((capacity,), bool)
   row_of = lambda slot: jnp.where(
-    slot >= 0, layout.logical_of(me * capacity + jnp.maximum(slot, 0)), MISS
+    slot >= 0, map_slots.logical_rows(layout, me, jnp.maximum(slot, 0)), MISS
   )
   if shards == 1 and impl is not None and len(impl) > 2:
     out = impl[2](

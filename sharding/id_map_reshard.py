@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from sharding import map_slots
 from sharding.id_map import IdMap, init_map
 from sharding.layout import RowLayout
 
@@ -33,8 +34,9 @@ def reshard(m: IdMap, new: RowLayout, probe_limit: int, sketch_shape):
     sketch_shape: the new sketch's (rows, width).
 
   Returns:
-    (the new map; (new.num_physical_rows,) int64 the old slot whose key each
-    new slot holds, -1 where empty; the number of keys dropped).
+    (the new map; (new.num_physical_rows,) int64 the old (global) slot whose
+    key each new slot holds, -1 where empty; the number of keys dropped).
+    Slots are map slots: `map_slots.physical_rows` says which rows they are.
   """
   m = IdMap(*(np.asarray(x) for x in m))
   held = np.flatnonzero(m.last >= 0)
@@ -42,7 +44,8 @@ def reshard(m: IdMap, new: RowLayout, probe_limit: int, sketch_shape):
   shards, capacity = new.num_shards, new.rows_per_shard
   base = (m.key_hi[held] % np.uint32(shards)).astype(np.int64) * capacity
   home = (m.key_lo[held] % np.uint32(capacity)).astype(np.int64)
-  usable = new.logical_of(np.arange(new.num_physical_rows, dtype=np.int64)) >= 0
+  slots = np.arange(new.num_physical_rows, dtype=np.int64)
+  usable = map_slots.usable(new, slots // capacity, slots % capacity)
   source = np.full((new.num_physical_rows,), -1, np.int64)
   waiting = np.ones(held.shape, bool)
   for r in range(probe_limit):

@@ -135,14 +135,17 @@ def make_mesh(num_devices: int = NUM_DEVICES, axis: str = "x", kind: str = "auto
 
 
 def pytest_collection_modifyitems(config, items):
-  """The quick loop (`-m "not slow"`) runs a subset of the large parameter
-  grids. A module names it in `QUICK`: {test function name: predicate over the
-  case's parameters}; the other cases of that test are marked slow, so the
-  full command (and CI) still runs every one."""
+  """The quick loop (`-m "not slow"`) and CI (`-m "not grid"`) run a subset
+  of the large parameter grids. A module names it in `QUICK`: {test function
+  name: predicate over the case's parameters}; the other cases of that test
+  are marked `grid` (and slow), which a full run (no -m) runs too. A test
+  marked `grid` by hand is slow as well."""
   del config
   for item in items:
     quick = getattr(item.module, "QUICK", {}).get(item.originalname)
     if quick is not None and not quick(item.callspec.params):
+      item.add_marker(pytest.mark.grid)
+    if item.get_closest_marker("grid"):
       item.add_marker(pytest.mark.slow)
 
 

@@ -1,8 +1,9 @@
-"""The Pallas kernels: bit-exact against the XLA oracle in TPU interpret mode
-(one device and under shard_map), race-free by the interpreter's detector,
-lowerable for TPU, and refusing bad arguments with the right errors."""
+"""The block kernels: bit-exact against the XLA oracle in TPU interpret mode
+(one device and under shard_map) over several blocks, an empty block, ids at
+block edges, a partial last block, padding and invalid ids; race-free by the
+interpreter's detector; lowerable for TPU; refusing bad arguments with the
+right errors. And the plan of a sweep and the cost model that picks a form."""
 
-import functools
 import re
 
 import jax
@@ -15,16 +16,21 @@ from interpret_races import RACES, races_found
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from kernel_cases import (
+  NUM_ROWS,
+  STEP,
+  assert_kernels_equal_xla,
+  assert_same,
+  random_state,
+  run_gather,
+  run_update,
+  sweep_ids,
+)
 
 import pallas_emb as pe
-from pallas_emb import packing
+from pallas_emb import kernels, packing
+from pallas_emb.kernels import block_gather, block_update, blocks, forms
 from pallas_emb.kernels import chip as chip_lib
-from pallas_emb.kernels import xla
-from pallas_emb.kernels.pallas_gather import gather
-from pallas_emb.kernels.pallas_gather import vmem_footprint_bytes as gather_vmem_footprint_bytes
-from pallas_emb.kernels.pallas_update import fused_update, vmem_footprint_bytes
-
-INTERPRET = pltpu.InterpretParams()
 
 OPTIMIZERS = [
   pe.SGD(0.5),
@@ -36,72 +42,16 @@ OPTIMIZERS = [
 OPT_IDS = [type(o).__name__ for o in OPTIMIZERS]
 DTYPES = [jnp.float32, jnp.bfloat16]
 DTYPE_IDS = ["f32", "bf16"]
-
-# 256 rows: two 128-row groups of the per-row scalar slots, each shared by
-# many ids, whose runs cross chunk boundaries.
-NUM_ROWS, DIM, CHUNK = 256, 16, 16
-STEP = 7  # the step of the scalars; int32 slots (last_step, count) stay below
-
-
-def _state(opt, dtype, rng, num_rows=NUM_ROWS, dim=DIM):
-  """A stored table and random slots, as numpy arrays."""
-  table = packing.to_storage(rng.normal(size=(num_rows, dim)), dtype)
-  slots = {}
-  for name, s in opt.slot_specs().items():
-    shape = s.shape_for(num_rows, dim)  # per-row scalars in 128-row groups
-    if np.dtype(s.dtype) == np.int32:
-      slots[name] = rng.integers(0, STEP, shape).astype(np.int32)
-    else:  # accumulators and second moments are positive
-      slots[name] = rng.uniform(0.05, 2.0, shape).astype(np.float32)
-  return table, slots
-
-
-def _ascending(rng, num_rows, count):
-  """`count` distinct ids in [0, num_rows), ascending, as routing makes them."""
-  return np.sort(rng.choice(num_rows, count, replace=False)).astype(np.int32)
-
-
-def _rows(case, rng, num_rows=NUM_ROWS):
-  """(U,) int32 local row ids for a test case, and whether to apply."""
-  if case == "full_chunks":  # U a multiple of chunk_rows
-    return _ascending(rng, num_rows, 2 * CHUNK), True
-  if case == "partial_last_chunk":  # 2 full chunks and one of 8 ids
-    return _ascending(rng, num_rows, 2 * CHUNK + 8), True
-  if case == "padding_last":  # -1 after the ids, mid-chunk, last chunk partial
-    rows = np.full(2 * CHUNK + 8, -1, np.int32)
-    rows[: CHUNK + 5] = _ascending(rng, num_rows, CHUNK + 5)
-    return rows, True
-  if case == "all_padding":
-    return np.full(2 * CHUNK + 8, -1, np.int32), True
-  if case == "apply_false":
-    return _ascending(rng, num_rows, 2 * CHUNK), False
-  raise ValueError(case)
-
-
-# Two shapes (2 full chunks; 2 full and a partial one) for five cases: the
-# cases of one shape share `_jitted_update`'s program.
-CASES = ["full_chunks", "partial_last_chunk", "padding_last", "all_padding", "apply_false"]
+DIM = 16  # packed: 8 float32 rows (16 bfloat16 rows) to a 128-lane row
 
 # The quick loop's subset (conftest.pytest_collection_modifyitems): every
-# optimizer on bf16 rows on the case that crosses full chunks into a partial
-# one, full chunks and padding on f32 LazyAdam (the most DMAs per row),
-# LazyAdam bf16 under shard_map, row-wise Adagrad in SMEM windows, the race
-# the detector must find, and the TPU lowering of every optimizer and dtype
-# for one generation at D=16 (bf16 rows of 8 words: unaligned halves).
+# optimizer on bf16 rows (packed words), LazyAdam (four arrays, two of them
+# packed, one a scalar) on f32, the TPU lowering of every optimizer for one
+# generation.
 QUICK = {
   "test_fused_update_equals_xla_bit_for_bit": lambda p: (
-    (p["case"] == "partial_last_chunk" and p["dtype"] == jnp.bfloat16)
-    or (
-      isinstance(p["opt"], pe.LazyAdam)
-      and p["dtype"] == jnp.float32
-      and p["case"] in ("full_chunks", "padding_last")
-    )
+    p["dtype"] == jnp.bfloat16 or isinstance(p["opt"], pe.LazyAdam)
   ),
-  "test_kernels_under_shard_map_equal_xla": lambda p: (
-    isinstance(p["opt"], pe.LazyAdam) and p["dtype"] == jnp.bfloat16
-  ),
-  "test_ids_stream_through_smem_in_windows": lambda p: isinstance(p["opt"], pe.RowWiseAdagrad),
-  "test_race_detector_sees_duplicate_ids_and_nothing_else": lambda p: p["duplicate"],
   "test_fused_update_lowers_for_tpu": lambda p: (
     p["kind"] == tpu_lowering.DEVICE_KINDS[0] and p["dim"] == 16
   ),
@@ -109,117 +59,66 @@ QUICK = {
 }
 
 
-def _assert_same(got, want, msg=""):
-  got, want = np.asarray(got), np.asarray(want)
-  assert got.dtype == want.dtype and got.shape == want.shape, msg
-  # Compare bits: NaNs equal, and -0.0 != 0.0.
-  bits = np.dtype(f"u{got.dtype.itemsize}")
-  np.testing.assert_array_equal(got.view(bits), want.view(bits), err_msg=msg)
-
-
-def _update_fn(impl, opt, dtype, **kw):
-  def fn(table, slots, rows, grads, scalars, apply):
-    if impl == "xla":
-      return xla.fused_update(table, slots, rows, grads, scalars, apply, optimizer=opt, dtype=dtype)
-    return fused_update(table, slots, rows, grads, scalars, apply, optimizer=opt, dtype=dtype, **kw)
-
-  return fn
-
-
-@functools.cache
-def _jitted_update(impl, opt, dtype, **kw):
-  """`_update_fn` jitted once per configuration, so that the test cases of
-  one shape trace and compile it once (an interpreted kernel's compile
-  costs about as much as its run)."""
-  return jax.jit(_update_fn(impl, opt, dtype, **kw))
-
-
-@pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=OPT_IDS)
-def test_fused_update_equals_xla_bit_for_bit(opt, dtype, case):
-  rng = np.random.default_rng(0)
-  table, slots = _state(opt, dtype, rng)
-  rows, apply = _rows(case, rng)
+def test_fused_update_equals_xla_bit_for_bit(opt, dtype):
+  table, _, rows, (got, _) = assert_kernels_equal_xla(opt, dtype, DIM)
+  valid = rows[(rows >= 0) & (rows < NUM_ROWS)]
+  logical = lambda x: packing.table_rows(np.asarray(x), DIM, dtype)
+  untouched = np.setdiff1d(np.arange(NUM_ROWS), valid)
+  assert_same(logical(got)[untouched], logical(table)[untouched], "untouched rows")
+
+
+@pytest.mark.parametrize("case", ["all_padding", "apply_false"])
+def test_an_update_that_writes_nothing_leaves_every_bit(case):
+  opt = pe.LazyAdam(0.05)
+  rng = np.random.default_rng(3)
+  table, slots = random_state(opt, jnp.float32, DIM, rng)
+  rows = sweep_ids(rng) if case == "apply_false" else np.full((24,), -1, np.int32)
   grads = rng.normal(size=(rows.size, DIM)).astype(np.float32)
-  args = (table, slots, rows, grads, opt.scalars(jnp.int32(STEP)), apply)
-  want = _jitted_update("xla", opt, dtype)(*args)
-  got = _jitted_update("pallas", opt, dtype, interpret=INTERPRET, chunk_rows=CHUNK)(*args)
-  _assert_same(got[0], want[0], "table")
-  assert set(got[1]) == set(slots)
-  for k in slots:
-    _assert_same(got[1][k], want[1][k], f"slot {k}")
-  valid = rows[rows >= 0]
-  untouched = np.setdiff1d(np.arange(NUM_ROWS), valid if apply else [])
-  _assert_same(np.asarray(got[0])[untouched], table[untouched], "untouched rows")
-  if apply and valid.size:
-    assert not np.array_equal(np.asarray(got[0])[valid], table[valid])
-  if not apply:
-    _assert_same(got[0], table, "apply=False table")
-    for k in slots:
-      _assert_same(got[1][k], slots[k], f"apply=False slot {k}")
-
-
-@pytest.mark.parametrize("case", CASES[:4])
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_gather_equals_xla_bit_for_bit(dtype, case):
-  rng = np.random.default_rng(1)
-  table, _ = _state(pe.SGD(), dtype, rng)
-  rows, _ = _rows(case, rng)
-  want = jax.jit(lambda t, r: xla.gather(t, r, dtype=dtype))(table, rows)
-  got = jax.jit(lambda t, r: gather(t, r, dtype=dtype, interpret=INTERPRET, chunk_rows=CHUNK))(
-    table, rows
+  got = run_update(
+    "block",
+    opt,
+    jnp.float32,
+    table,
+    slots,
+    rows,
+    grads,
+    opt.scalars(jnp.int32(STEP)),
+    case != "apply_false",
   )
-  _assert_same(got, want)
-  assert got.shape == (rows.size, DIM)
-  assert (np.asarray(got)[rows < 0] == 0).all()
+  assert_same(got[0], table)
+  for k in slots:
+    assert_same(got[1][k], slots[k], k)
 
 
-def test_default_chunk_covers_ids_in_one_step_and_interpret_true_works():
-  # interpret=True (the "interpret" backend) means default InterpretParams.
+def test_a_shard_of_one_block_and_the_default_sizes():
+  # 384 rows: the block is the whole shard; default chunk and block sizes,
+  # and interpret=True (the "interpret" backend).
   opt = pe.RowWiseAdagrad(0.1)
-  rng = np.random.default_rng(2)
-  table, slots = _state(opt, jnp.float32, rng)
-  rows = _ascending(rng, NUM_ROWS, 20)
-  grads = rng.normal(size=(20, DIM)).astype(np.float32)
-  args = (table, slots, rows, grads, opt.scalars(jnp.int32(3)), True)
-  want = jax.jit(_update_fn("xla", opt, jnp.float32))(*args)
-  got = jax.jit(_update_fn("pallas", opt, jnp.float32, interpret=True))(*args)
-  _assert_same(got[0], want[0])
-  _assert_same(got[1]["acc"], want[1]["acc"])
-  _assert_same(
-    gather(table, rows, dtype=jnp.float32, interpret=True),
-    xla.gather(table, rows, dtype=jnp.float32),
-  )
-
-
-@pytest.mark.parametrize("opt", OPTIMIZERS[2:], ids=OPT_IDS[2:])
-def test_ids_stream_through_smem_in_windows(opt):
-  # Windows of one chunk: 40 ids take 3 kernel calls, chained in place.
   rng = np.random.default_rng(4)
-  table, slots = _state(opt, jnp.float32, rng)
-  rows, _ = _rows("padding_last", rng)
-  grads = rng.normal(size=(rows.size, DIM)).astype(np.float32)
-  args = (table, slots, rows, grads, opt.scalars(jnp.int32(STEP)), True)
-  want = jax.jit(_update_fn("xla", opt, jnp.float32))(*args)
+  table, slots = random_state(opt, jnp.float32, 128, rng, num_rows=384)
+  rows = np.concatenate([np.sort(rng.choice(384, 50, replace=False)), [-1] * 6]).astype(np.int32)
+  grads = rng.normal(size=(rows.size, 128)).astype(np.float32)
+  args = (table, slots, rows, grads, opt.scalars(jnp.int32(3)), True)
+  want = run_update("xla", opt, jnp.float32, *args)
   got = jax.jit(
-    _update_fn("pallas", opt, jnp.float32, interpret=INTERPRET, chunk_rows=8, window_rows=CHUNK)
+    lambda *a: block_update.fused_update(*a, optimizer=opt, dtype=jnp.float32, interpret=True)
   )(*args)
-  _assert_same(got[0], want[0], "table")
-  for k in slots:
-    _assert_same(got[1][k], want[1][k], f"slot {k}")
-  rows = jnp.asarray(rows)
-  _assert_same(
-    gather(table, rows, dtype=jnp.float32, interpret=INTERPRET, chunk_rows=8, window_rows=CHUNK),
-    xla.gather(table, rows, dtype=jnp.float32),
+  assert_same(got[0], want[0])
+  assert_same(got[1]["acc"], want[1]["acc"])
+  r = jnp.asarray(rows)
+  assert_same(
+    block_gather.gather(table, r, dtype=jnp.float32, interpret=True),
+    run_gather("xla", table, r, jnp.float32, 128),
   )
 
 
 def test_zero_ids_is_a_no_op():
   opt = pe.SGD()
-  table, slots = _state(opt, jnp.float32, np.random.default_rng(3))
+  table, slots = random_state(opt, jnp.float32, DIM, np.random.default_rng(5))
   empty = np.zeros((0,), np.int32)
-  got, _ = fused_update(
+  got, _ = block_update.fused_update(
     table,
     slots,
     empty,
@@ -230,158 +129,92 @@ def test_zero_ids_is_a_no_op():
     dtype=jnp.float32,
     interpret=True,
   )
-  _assert_same(got, table)
-  assert gather(table, empty, dtype=jnp.float32, interpret=True).shape == (0, DIM)
+  assert_same(got, table)
+  gathered = block_gather.gather(table, empty, dtype=jnp.float32, dim=DIM, interpret=True)
+  assert gathered.shape == (0, DIM)
+
+
+# -- the plan of a sweep ----------------------------------------------------------
+
+
+def test_the_plan_visits_each_block_holding_ids_once_per_chunk():
+  ids = [0, 5, 6, 7, 8, 9, 1030, 1031, 1032, 1033, 3000, 3001, 3002, -1, 9999, -1]
+  rows = jnp.asarray(ids + [-1] * 8, jnp.int32)
+  plan = blocks.plan(rows, num_rows=4096, block=1024, chunk=8, visit_padding=False)
+  used = int(np.sum(np.asarray(plan.hi) > np.asarray(plan.lo)))
+  got = [tuple(int(x[v]) for x in plan) for v in range(used)]
+  # (block, chunk, lo, hi): block 1 (ids 1030..1033) spans chunks 0 and 1;
+  # block 3 holds no id; padding and the id past the rows make no visit.
+  assert got == [(0, 0, 0, 6), (1, 0, 6, 8), (1, 1, 8, 10), (2, 1, 10, 13)]
+  assert len(plan.block) == blocks.num_visits(24, 4, 8)
+  # The unused tail repeats the last visit's block and chunk, empty.
+  tail = slice(used, None)
+  assert set(np.asarray(plan.block)[tail]) == {2} and set(np.asarray(plan.chunk)[tail]) == {1}
+  assert (np.asarray(plan.lo)[tail] == np.asarray(plan.hi)[tail]).all()
+  padded = blocks.plan(rows, num_rows=4096, block=1024, chunk=8, visit_padding=True)
+  assert set(np.asarray(padded.chunk)) == {0, 1, 2}  # the padding-only chunk too
+  off = blocks.plan(rows, num_rows=4096, block=1024, chunk=8, visit_padding=False, apply=False)
+  assert not np.asarray(off.block).any() and not np.asarray(off.hi).any()
+
+
+def test_a_block_is_the_shard_or_whole_1024_rows():
+  assert blocks.block_rows(100_000, 512, 1 << 20) == 2048
+  assert blocks.block_rows(500, 512, 1 << 20) == 500
+  assert blocks.block_rows(10**7, 8192, 1 << 20) == 1024
+  with pytest.raises(pe.ConfigError, match="block_rows=1024"):
+    blocks.check_block(1000, 5000)
 
 
 # -- under shard_map -----------------------------------------------------------
 
-SHARD_ROWS, SHARD_IDS, SHARD_CHUNK = 128, 20, 8
-
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("opt", OPTIMIZERS, ids=OPT_IDS)
-def test_kernels_under_shard_map_equal_xla(opt, dtype):
-  # Four shards: every interpreted row costs milliseconds, and four already
-  # hold a shard of each kind.
-  mesh = make_mesh(4)
-  n = mesh.shape["x"]
-  rng = np.random.default_rng(4)
-  table, slots = _state(opt, dtype, rng, num_rows=n * SHARD_ROWS)
-  # Per shard: 20 ascending local ids, the last 5 of them -1 (3 chunks, the
-  # last partial); shard 1 all padding, and shard 2's update not applied.
-  rows = np.stack([_ascending(rng, SHARD_ROWS, SHARD_IDS) for _ in range(n)])
-  rows[:, -5:] = -1
-  rows[1] = -1
-  apply = np.arange(n) != 2
-  grads = rng.normal(size=(n * SHARD_IDS, DIM)).astype(np.float32)
-  scalars = opt.scalars(jnp.int32(STEP))
-  put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
-  args = (
-    put(table, P("x")),
-    {k: put(v, P("x")) for k, v in slots.items()},
-    put(rows.reshape(-1), P("x")),
-    put(grads, P("x")),
-    put(scalars, P()),
-    put(apply, P("x")),
-  )
+def test_kernels_under_shard_map_equal_xla(dtype):
+  # Three shards over devices 1..3, each its own rows and ids.
+  opt = pe.LazyAdam(0.05)
+  mesh = make_mesh(3)
+  rng = np.random.default_rng(6)
+  n, rows_per = 3, 2048
+  table, slots = random_state(opt, dtype, DIM, rng, num_rows=n * rows_per)
+  rows = np.stack([sweep_ids(rng, rows_per)[:40] for _ in range(n)]).reshape(-1)
+  grads = rng.normal(size=(rows.size, DIM)).astype(np.float32)
+  spec = P("x")
+  put = lambda x: jax.device_put(x, NamedSharding(mesh, spec))
+  args = tuple(map(put, (table, rows, grads)))
+  slots_in = {k: put(v) for k, v in slots.items()}
 
-  def run(impl):
-    def shard_fn(table, slots, rows, grads, scalars, apply):
-      kw = {} if impl == "xla" else dict(interpret=INTERPRET, chunk_rows=SHARD_CHUNK)
-      new_table, new_slots = _update_fn(impl, opt, dtype, **kw)(
-        table, slots, rows, grads, scalars, apply[0]
-      )
-      if impl == "xla":
-        out = xla.gather(new_table, rows, dtype=dtype)
-      else:
-        out = gather(new_table, rows, dtype=dtype, chunk_rows=SHARD_CHUNK, interpret=INTERPRET)
-      return new_table, new_slots, out
+  def shard(form):
+    def one(table, slots, rows, grads):
+      sc = opt.scalars(jnp.int32(STEP))
+      t, s = run_update(form, opt, dtype, table, slots, rows, grads, sc, True)
+      return t, s, run_gather(form, t, rows, dtype, DIM)
 
-    return jax.jit(
-      jax.shard_map(
-        shard_fn,
-        mesh=mesh,
-        in_specs=(P("x"), P("x"), P("x"), P("x"), P(), P("x")),
-        out_specs=P("x"),
-        check_vma=False,
-      )
-    )(*args)
+    # As the library's programs: pallas_call results carry no varying-axes type.
+    return jax.jit(jax.shard_map(one, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
 
-  want, got = run("xla"), run("pallas")
-  _assert_same(got[0], want[0], "table")
-  for k in slots:
-    _assert_same(got[1][k], want[1][k], f"slot {k}")
-  _assert_same(got[2], want[2], "gathered rows")
-  # Shards 1 (all padding) and 2 (not applied) keep their rows bit for bit.
-  for s in (1, 2):
-    block = slice(s * SHARD_ROWS, (s + 1) * SHARD_ROWS)
-    _assert_same(np.asarray(got[0])[block], table[block], f"shard {s}")
-
-
-@pytest.mark.parametrize(
-  "opt,dtype",
-  [(OPTIMIZERS[2], jnp.float32), (OPTIMIZERS[3], jnp.bfloat16)],
-  ids=["RowWiseAdagrad-f32", "LazyAdam-bf16"],
-)
-@pytest.mark.slow
-def test_sharded_embedding_interpret_equals_xla(opt, dtype):
-  def train(backend):
-    # 128 rows per shard: the kernels, not the XLA fallback, update the
-    # per-row scalar slots. Four shards and small route capacities keep the
-    # interpreted rows few (each owner merges at most 4 x 8 rows) while ids
-    # still travel between shards, collide and overflow.
-    shards = 4
-    table = pe.TableSpec(
-      "t", shards * 128, DIM, optimizer=opt, dtype=dtype, unique_capacity=16, route_capacity=8
-    )
-    feats = [pe.FeatureSpec("bag", "t", "sum"), pe.FeatureSpec("seq", "t", None)]
-    emb = pe.ShardedEmbedding([table], feats, make_mesh(shards), "x", backend)
-    rng = np.random.default_rng(5)
-    state = emb.init(jax.random.key(7))
-    acts_log = []
-    for _ in range(2):
-      ids = {
-        "bag": rng.integers(-1, shards * 128, (16, 3)).astype(np.int32),
-        "seq": rng.integers(0, shards * 128 + 3, (16, 2)).astype(np.int32),
-      }
-      acts, res = emb.lookup(state, ids)
-      acts_log.append(acts)
-      grads = {k: rng.normal(size=v.shape).astype(np.float32) for k, v in acts.items()}
-      state, metrics = emb.apply_gradients(state, res, grads)
-      assert bool(metrics["t"].applied)
-    return emb.logical_table(state, "t"), emb.logical_slots(state, "t"), acts_log
-
-  (t_x, s_x, a_x), (t_i, s_i, a_i) = train("xla"), train("interpret")
-  _assert_same(t_i, t_x, "table")
-  for k in s_x:
-    _assert_same(s_i[k], s_x[k], f"slot {k}")
-  for step_i, step_x in zip(a_i, a_x):
-    for k in step_x:
-      _assert_same(step_i[k], step_x[k], f"activations {k}")
+  want = shard("xla")(args[0], slots_in, *args[1:])
+  got = shard("block")(args[0], slots_in, *args[1:])
+  for g, w, what in [(got[0], want[0], "table"), (got[2], want[2], "gather")] + [
+    (got[1][k], want[1][k], k) for k in slots
+  ]:
+    assert_same(g, w, what)
 
 
 # -- race detection --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("duplicate", [False, True], ids=["distinct", "duplicate"])
-def test_race_detector_sees_duplicate_ids_and_nothing_else(duplicate):
-  opt = pe.LazyAdam(0.05)  # three slots: four DMAs per row in flight
-  rng = np.random.default_rng(6)
-  # Four chunks: from the third on, a buffer is refilled after its previous
-  # chunk's write-back, which the schedule must wait for. Chunks of 8 ids,
-  # the smallest: the detector's cost grows faster than the DMAs it follows.
-  chunk = 8
-  table, slots = _state(opt, jnp.float32, rng, num_rows=128)
-  rows = _ascending(rng, 128, 4 * chunk)
-  if duplicate:  # the same row twice in one chunk: two write-backs race
-    rows[5] = rows[4]
-  grads = rng.normal(size=(rows.size, DIM)).astype(np.float32)
-  found = races_found(
-    lambda: fused_update(
-      table,
-      slots,
-      rows,
-      grads,
-      opt.scalars(jnp.int32(STEP)),
-      True,
-      optimizer=opt,
-      dtype=jnp.float32,
-      interpret=RACES,
-      chunk_rows=chunk,
-    )
-  )
-  assert found == duplicate
-
-
-def test_gather_has_no_races_even_with_duplicate_ids():
-  # Reads never race with reads: the lookup may gather a row twice.
+def test_race_detector_finds_no_race_in_the_sweeps():
+  # The update's in-place copy of each block (a VMEM-to-VMEM DMA) against the
+  # pipeline's own, and the gather's: nothing races.
+  opt = pe.RowWiseAdagrad(0.1)
   rng = np.random.default_rng(7)
-  table, _ = _state(pe.SGD(), jnp.bfloat16, rng)
-  rows = rng.permutation(NUM_ROWS)[: 2 * CHUNK].astype(np.int32)
-  rows[5] = rows[4]
+  table, slots = random_state(opt, jnp.float32, DIM, rng)
+  rows = sweep_ids(rng)
+  grads = rng.normal(size=(rows.size, DIM)).astype(np.float32)
+  args = (table, slots, rows, grads, opt.scalars(jnp.int32(STEP)), True)
+  assert not races_found(lambda: run_update("block", opt, jnp.float32, *args, interpret=RACES))
   assert not races_found(
-    lambda: gather(table, rows, dtype=jnp.bfloat16, interpret=RACES, chunk_rows=CHUNK)
+    lambda: run_gather("block", table, jnp.asarray(rows), jnp.float32, DIM, interpret=RACES)
   )
 
 
@@ -390,7 +223,7 @@ def test_gather_has_no_races_even_with_duplicate_ids():
 
 def _abstract_update_args(opt, dtype, num_rows, dim, num_ids):
   sds = jax.ShapeDtypeStruct
-  table = sds((num_rows, packing.storage_width(dim, dtype)), packing.storage_dtype(dtype))
+  table = sds(packing.table_shape(num_rows, dim, dtype), packing.storage_dtype(dtype))
   slots = {k: sds(s.shape_for(num_rows, dim), s.dtype) for k, s in opt.slot_specs().items()}
   scalars = jax.tree.map(lambda _: sds((), jnp.float32), opt.scalars(jnp.int32(0)))
   return (
@@ -403,19 +236,22 @@ def _abstract_update_args(opt, dtype, num_rows, dim, num_ids):
   )
 
 
-@pytest.mark.parametrize("dim", [16, 256])  # bf16 halves of 8 (unaligned) and 128 lanes
+@pytest.mark.parametrize("dim", [16, 256])  # packed bf16 words of 8 lanes, and 128-lane halves
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=OPT_IDS)
 @pytest.mark.parametrize("kind", tpu_lowering.DEVICE_KINDS)
 def test_fused_update_lowers_for_tpu(kind, opt, dtype, dim):
-  args = _abstract_update_args(opt, dtype, 1024, dim, 200)
+  # 5,000 rows: a partial last block.
+  args = _abstract_update_args(opt, dtype, 5000, dim, 200)
   exported = tpu_lowering.export_for_tpu(
-    lambda *a: fused_update(*a, optimizer=opt, dtype=dtype), *args, device_kind=kind
+    lambda *a: block_update.fused_update(*a, optimizer=opt, dtype=dtype, dim=dim),
+    *args,
+    device_kind=kind,
   )
   [call] = tpu_lowering.mosaic_calls(exported)
   # In place: each of table and slots is an output aliased to its operand.
   assert call.count("output_operand_alias<") == 1 + len(opt.slot_specs())
-  assert "update_kernel" in call
+  assert "_update_kernel" in call
 
 
 @pytest.mark.parametrize("dim", [16, 256])
@@ -423,93 +259,32 @@ def test_fused_update_lowers_for_tpu(kind, opt, dtype, dim):
 @pytest.mark.parametrize("kind", tpu_lowering.DEVICE_KINDS)
 def test_gather_lowers_for_tpu(kind, dtype, dim):
   sds = jax.ShapeDtypeStruct
-  table = sds((1000, packing.storage_width(dim, dtype)), packing.storage_dtype(dtype))
+  table = sds(packing.table_shape(5000, dim, dtype), packing.storage_dtype(dtype))
   exported = tpu_lowering.export_for_tpu(
-    lambda t, r: gather(t, r, dtype=dtype), table, sds((200,), jnp.int32), device_kind=kind
+    lambda t, r: block_gather.gather(t, r, dtype=dtype, dim=dim),
+    table,
+    sds((200,), jnp.int32),
+    device_kind=kind,
   )
   [call] = tpu_lowering.mosaic_calls(exported)
   assert "_gather_kernel" in call
   assert exported.out_avals[0].shape == (200, dim)
 
 
-def test_export_sizes_vmem_for_the_abstract_chip():
-  # A chunk between v5p's 64 MiB and v5e's 128 MiB of VMEM: v5e lowers it with
-  # a VMEM limit above the default, v5p refuses it.
+def test_vmem_is_sized_for_the_abstract_chip_and_refused_past_it():
+  # LazyAdam at D=2048: three blocks of 1,024 wide rows, twice each way,
+  # fit v5e's 128 MiB of VMEM (lowered with a limit above the default) and
+  # not v5p's 64 MiB.
   opt, dim = pe.LazyAdam(), 2048
-  widths = [dim, dim, 1]
-  chunk = 768
-  footprint = vmem_footprint_bytes(dim=dim, dtype=jnp.float32, slot_widths=widths, chunk_rows=chunk)
-  assert 64 * 2**20 < footprint <= 128 * 2**20
-  args = _abstract_update_args(opt, jnp.float32, 4096, dim, chunk)
-  fn = lambda *a: fused_update(*a, optimizer=opt, dtype=jnp.float32, chunk_rows=chunk)
+  args = _abstract_update_args(opt, jnp.float32, 4096, dim, 256)
+  fn = lambda *a: block_update.fused_update(*a, optimizer=opt, dtype=jnp.float32, chunk_rows=64)
   [call] = tpu_lowering.mosaic_calls(
     tpu_lowering.export_for_tpu(fn, *args, device_kind="TPU v5 lite")
   )
   [limit] = map(int, re.findall(r"size\\22: (\d+)", call))
-  assert footprint <= limit <= 128 * 2**20
+  assert 64 * 2**20 < limit <= 128 * 2**20
   with pytest.raises(pe.VmemBudgetError, match="v5p"):
     tpu_lowering.export_for_tpu(fn, *args, device_kind="TPU v5")
-
-
-# -- VMEM budget and argument checks -------------------------------------------------
-
-
-def test_vmem_footprint_counts_padded_tiles():
-  # f32 rows of 128: 2 row buffers, 2 gradient blocks and 3 + 1 live values of
-  # C * 128 words; the per-row scalar slot adds two (C, 128) group buffers,
-  # its old and new (C, 1) values padded to 128 lanes, and a carried group
-  # padded to 8 sublanes.
-  c = 128
-  assert (
-    vmem_footprint_bytes(dim=128, dtype=jnp.float32, slot_widths=[1], chunk_rows=c)
-    == (12 * c * 128 + 8 * 128) * 4
-  )
-  # The gather: 2 row buffers, 2 output blocks and the unpacked rows.
-  assert gather_vmem_footprint_bytes(dim=128, dtype=jnp.float32, chunk_rows=c) == 5 * c * 128 * 4
-  # bf16 rows move as half as many words.
-  assert vmem_footprint_bytes(
-    dim=256, dtype=jnp.bfloat16, slot_widths=[], chunk_rows=8
-  ) < vmem_footprint_bytes(dim=256, dtype=jnp.float32, slot_widths=[], chunk_rows=8)
-
-
-def test_vmem_budget_error_names_footprint_vmem_chunk_and_a_chunk_that_fits():
-  opt, dim, chunk = pe.Adagrad(), 8192, 512
-  table, slots = (np.zeros((8, dim), np.float32), {"acc": np.zeros((8, dim), np.float32)})
-  rows = np.full((chunk,), -1, np.int32)
-  grads = np.zeros((chunk, dim), np.float32)
-  footprint = vmem_footprint_bytes(dim=dim, dtype=jnp.float32, slot_widths=[dim], chunk_rows=chunk)
-  with pytest.raises(pe.VmemBudgetError) as err:
-    fused_update(
-      table,
-      slots,
-      rows,
-      grads,
-      opt.scalars(0),
-      True,
-      optimizer=opt,
-      dtype=jnp.float32,
-      chunk_rows=chunk,
-      target="v6e",
-    )
-  msg = str(err.value)
-  vmem = pltpu.get_tpu_info_for_chip(pltpu.ChipVersion.TPU_V6E, 1).vmem_capacity_bytes
-  assert str(footprint) in msg and str(vmem) in msg and f"chunk_rows={chunk}" in msg
-  [fits] = map(int, re.findall(r"use chunk_rows=(\d+)", msg))
-  assert fits % 8 == 0
-  assert (
-    vmem_footprint_bytes(dim=dim, dtype=jnp.float32, slot_widths=[dim], chunk_rows=fits) <= vmem
-  )
-  assert (
-    vmem_footprint_bytes(dim=dim, dtype=jnp.float32, slot_widths=[dim], chunk_rows=fits + 8) > vmem
-  )
-  with pytest.raises(pe.VmemBudgetError, match="v6e"):
-    gather(
-      table,
-      np.full((4096,), -1, np.int32),
-      dtype=jnp.float32,
-      chunk_rows=4096,
-      target="TPU v6 lite",
-    )
 
 
 def test_chip_targets_by_name_kind_or_version():
@@ -526,9 +301,12 @@ def test_chip_targets_by_name_kind_or_version():
     chip_lib.resolve_chip("v9")
 
 
+# -- argument checks ---------------------------------------------------------------
+
+
 def _call_update(**overrides):
   opt = overrides.pop("optimizer", pe.RowWiseAdagrad())
-  table, slots = _state(opt, jnp.float32, np.random.default_rng(8))
+  table, slots = random_state(opt, jnp.float32, DIM, np.random.default_rng(8), num_rows=256)
   kw = dict(
     table=table,
     slots=slots,
@@ -541,7 +319,7 @@ def _call_update(**overrides):
     interpret=True,
   )
   kw.update(overrides)
-  return fused_update(**kw)
+  return block_update.fused_update(**kw)
 
 
 @pytest.mark.parametrize(
@@ -553,30 +331,32 @@ def _call_update(**overrides):
       r"int32.*pallas_emb.int32_ids\(rows\)",
     ),
     (dict(rows=np.zeros((2, 4), np.int32)), pe.InputError, r"1-D int32.*\[2, 4\]"),
-    (dict(grads=np.zeros((8, DIM + 1), np.float32)), pe.InputError, r"float32\[8, 16\]"),
     (dict(grads=np.zeros((8, DIM), np.float16)), pe.InputError, "float16"),
+    (dict(grads=np.zeros((8, DIM + 16), np.float32), dim=DIM), pe.InputError, "16 wide"),
     (dict(slots={}), pe.InputError, "acc"),
-    (dict(slots={"acc": np.zeros((NUM_ROWS, DIM), np.float32)}), pe.InputError, r"\[2, 128\]"),
+    (dict(slots={"acc": np.zeros((256, DIM), np.float32)}), pe.InputError, r"\[2, 128\]"),
     (dict(dtype=jnp.bfloat16), pe.InputError, "uint32"),
     (dict(scalars=(0.1, 0.0)), pe.InputError, "NamedTuple"),
+    (dict(rounding_keys=np.zeros((8,), np.uint32)), pe.InputError, "bfloat16 rows only"),
     (dict(chunk_rows=12), pe.ConfigError, "chunk_rows=16"),
-    (dict(chunk_rows=0), pe.ConfigError, "multiple of 8"),
     (dict(chunk_rows=True), pe.ConfigError, "multiple of 8"),
+    (dict(block_rows=100), pe.ConfigError, "block_rows=1024"),
     (dict(interpret="yes"), pe.ConfigError, "InterpretParams"),
     (dict(target="TPU v9"), pe.ConfigError, "TPU v9"),
   ],
   ids=[
     "rows-int64",
     "rows-2d",
-    "grads-shape",
     "grads-dtype",
+    "grads-width",
     "slots-missing",
     "slot-shape",
     "table-dtype",
     "scalars-tuple",
+    "rounding-f32",
     "chunk-12",
-    "chunk-0",
     "chunk-bool",
+    "block-100",
     "interpret-str",
     "target-unknown",
   ],
@@ -587,10 +367,70 @@ def test_fused_update_rejects_bad_arguments(overrides, error, match):
 
 
 def test_gather_rejects_bad_arguments():
-  table = np.zeros((NUM_ROWS, DIM // 2), np.uint32)
+  table = np.zeros((256, DIM // 2), np.uint32)
   with pytest.raises(pe.InputError, match="int32"):
-    gather(table, np.arange(8, dtype=np.uint32), dtype=jnp.bfloat16)
+    block_gather.gather(table, np.arange(8, dtype=np.uint32), dtype=jnp.bfloat16)
   with pytest.raises(pe.InputError, match="float32"):
-    gather(table, np.arange(8, dtype=np.int32), dtype=jnp.float32)
+    block_gather.gather(table, np.arange(8, dtype=np.int32), dtype=jnp.float32)
   with pytest.raises(pe.ConfigError, match="chunk_rows"):
-    gather(table, np.arange(8, dtype=np.int32), dtype=jnp.bfloat16, chunk_rows=4)
+    block_gather.gather(table, np.arange(8, dtype=np.int32), dtype=jnp.bfloat16, chunk_rows=4)
+
+
+# -- which form runs -----------------------------------------------------------------
+
+MB = 10**6
+
+
+def _update_choice(table_mb, rows, ids, packed=False):
+  costs = forms.update_costs(
+    array_bytes=[int(table_mb * MB), rows * 4],
+    num_rows=rows,
+    num_ids=ids,
+    block_rows=2048,
+    packed=packed,
+  )
+  return forms.pick(costs)
+
+
+def test_the_cost_model_picks_what_the_chip_measured():
+  # One v5e chip, W-TPU's batch (86,016 ids): the block update won at 1M
+  # rows (float32 D=128, and packed D=16), XLA's at 100k and 4M rows; XLA's
+  # gather won everywhere (docs/benchmarks/forms_v5e.json).
+  assert _update_choice(512, 1_000_064, 86016) == "block"
+  assert _update_choice(64, 1_000_064, 86016, packed=True) == "block"
+  assert _update_choice(51, 100_096, 86016) == "xla"
+  assert _update_choice(2048, 4_000_000, 86016) == "xla"
+  gather = forms.gather_costs(
+    table_bytes=512 * MB, num_rows=1_000_064, num_ids=86016, block_rows=2048, packed=False
+  )
+  assert forms.pick(gather) == "xla"
+  with forms.forcing("block"):
+    assert forms.pick(gather) == "block"
+
+
+def test_forms_are_forced_by_context_or_environment(monkeypatch):
+  monkeypatch.setenv(forms.ENV_VAR, "xla")
+  assert forms.forced() == "xla"
+  with forms.forcing("block"):
+    assert forms.forced() == "block"
+  monkeypatch.setenv(forms.ENV_VAR, "fast")
+  with pytest.raises(pe.ConfigError, match="PALLAS_EMB_FORMS"):
+    forms.forced()
+  with pytest.raises(pe.ConfigError, match="block"):
+    with forms.forcing("fastest"):
+      pass
+
+
+def test_the_backends_choose_their_forms():
+  sds = jax.ShapeDtypeStruct
+  table = sds((4096, 128), jnp.float32)
+  narrow = sds((4096, 16), jnp.float32)
+  slots = {"acc": sds((32, 128), jnp.float32)}
+  kw = dict(dim=128, dtype=jnp.float32)
+  assert kernels.update_form("interpret", table, slots, 512, **kw) == "block"
+  assert kernels.update_form("xla", table, slots, 512, **kw) == "xla"
+  # A narrow stored array (a shard too small to pack) runs XLA on a TPU.
+  assert kernels.update_form("pallas", narrow, {}, 512, dim=16, dtype=jnp.float32) == "xla"
+  # The block gather needs ascending ids.
+  assert kernels.gather_form("interpret", table, 512, ascending=False, **kw) == "xla"
+  assert kernels.gather_form("interpret", table, 512, ascending=True, **kw) == "block"

@@ -1,30 +1,29 @@
 """Rows narrower than 128 lanes stored packed (pallas_emb.packing): the stored
-shapes, the XLA path against the logical (unpacked) update, the Pallas kernels
-in TPU interpret mode bit for bit against the XLA path (several chunks and
-windows, runs of ids in one physical row within and across chunks), no races,
-lowering for TPU, and host conversions across layouts that pack differently."""
+shapes, the XLA path against the logical (unpacked) update, the block kernels
+in TPU interpret mode bit for bit against the XLA path (several blocks and
+chunks, runs of ids in one physical row within and across chunks), lowering
+for TPU, and host conversions across layouts that pack differently."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import tpu_lowering
-from interpret_races import RACES, races_found
 from kernel_cases import (
   NUM_ROWS,
   STEP,
   assert_kernels_equal_xla,
   assert_same,
-  dense_ids,
   random_state,
   run_update,
+  sweep_ids,
 )
 
 import pallas_emb as pe
 from pallas_emb import kernels, packing
 from pallas_emb import state as state_lib
-from pallas_emb.kernels.pallas_gather import gather
-from pallas_emb.kernels.pallas_update import fused_update
+from pallas_emb.kernels.block_gather import gather
+from pallas_emb.kernels.block_update import fused_update
 from sharding.layout import RowLayout
 
 # Every optimizer that runs in the kernels.
@@ -37,7 +36,7 @@ OPTIMIZERS = [
 ]
 OPT_IDS = [type(o).__name__ for o in OPTIMIZERS]
 
-# The quick loop's subset (conftest): D=16 on LazyAdam, the most DMAs per row.
+# The quick loop's subset (conftest): D=16 on LazyAdam, the most arrays.
 QUICK = {"test_packed_kernels_equal_xla_d16": lambda p: isinstance(p["opt"], pe.LazyAdam)}
 
 
@@ -118,7 +117,7 @@ def test_xla_path_on_packed_state_equals_the_logical_update(opt):
   rng = np.random.default_rng(1)
   dim, dtype = 16, jnp.float32
   table, slots = random_state(opt, dtype, dim, rng)
-  rows = dense_ids(rng)
+  rows = sweep_ids(rng)
   grads = rng.normal(size=(rows.size, dim)).astype(np.float32)
   scalars = opt.scalars(jnp.int32(STEP))
   packed = run_update("xla", opt, dtype, table, slots, rows, grads, scalars, True)
@@ -139,14 +138,14 @@ def test_packed_kernels_equal_xla_d16(opt):
   assert_kernels_equal_xla(opt, jnp.float32, 16)
 
 
-@pytest.mark.slow
+@pytest.mark.grid
 @pytest.mark.parametrize("dim", [32, 64])
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=OPT_IDS)
 def test_packed_kernels_equal_xla_d32_d64(opt, dim):
   assert_kernels_equal_xla(opt, jnp.float32, dim)
 
 
-@pytest.mark.slow
+@pytest.mark.grid
 @pytest.mark.parametrize(
   "dtype,dim,seed",
   [(jnp.bfloat16, 8, 2), (jnp.bfloat16, 32, 2), (jnp.float32, 8, 3)],
@@ -159,42 +158,19 @@ def test_packed_kernels_equal_xla_bf16_and_d8(opt, dtype, dim, seed):
   assert_kernels_equal_xla(opt, dtype, dim, seed)
 
 
-def test_race_detector_finds_no_race_in_runs_of_a_physical_row():
-  # Each run of ids in one physical row writes it once (its last id), so
-  # the write-backs of a chunk never overlap, nor a chunk's writes the next
-  # chunk's reads.
-  opt = pe.LazyAdam(0.05)
-  rng = np.random.default_rng(4)
-  table, slots = random_state(opt, jnp.float32, 16, rng, num_rows=128)
-  # 32 consecutive ids from 36: 8 to a physical row, runs that cross each
-  # boundary of the 4 chunks of 8.
-  rows = np.arange(36, 68, dtype=np.int32)
-  grads = rng.normal(size=(rows.size, 16)).astype(np.float32)
-  found = races_found(
-    lambda: fused_update(
-      table,
-      slots,
-      rows,
-      grads,
-      opt.scalars(jnp.int32(STEP)),
-      True,
-      optimizer=opt,
-      dtype=jnp.float32,
-      interpret=RACES,
-      chunk_rows=8,
-    )
-  )
-  assert not found
-
-
 def test_uses_kernel_on_tpu_for_packed_state_only():
   opt = pe.LazyAdam()
   table, slots = random_state(opt, jnp.float32, 16, np.random.default_rng(5))
-  assert kernels.uses_kernel("pallas", table, slots, opt)
+  assert kernels.uses_kernel("pallas", table, slots)
   assert kernels.uses_kernel("pallas", table)
-  plain = {k: v.reshape(NUM_ROWS, -1) if k != "count" else v for k, v in slots.items()}
-  assert not kernels.uses_kernel("pallas", table.reshape(NUM_ROWS, 16), plain, opt)
-  assert not kernels.uses_kernel("pallas", table, plain, opt)
+  plain = {k: specs.as_rows(v, 16) for k, v, specs in _with_specs(opt, slots)}
+  assert not kernels.uses_kernel("pallas", table.reshape(NUM_ROWS, 16), plain)
+  assert not kernels.uses_kernel("pallas", table, plain)
+
+
+def _with_specs(opt, slots):
+  specs = opt.slot_specs()
+  return [(k, v, specs[k]) for k, v in slots.items()]
 
 
 @pytest.mark.parametrize("dim", [16, 64])
@@ -207,7 +183,7 @@ def test_packed_kernels_lower_for_tpu(opt, dim):
   scalars = jax.tree.map(lambda _: sds((), jnp.float32), opt.scalars(jnp.int32(0)))
   args = (table, slots, sds((200,), jnp.int32), sds((200, dim), jnp.float32), scalars)
   exported = tpu_lowering.export_for_tpu(
-    lambda t, s, r, g, sc: fused_update(t, s, r, g, sc, True, optimizer=opt, dtype=dtype),
+    lambda t, s, r, g, sc: fused_update(t, s, r, g, sc, True, optimizer=opt, dtype=dtype, dim=dim),
     *args,
     device_kind="TPU v5 lite",
   )

@@ -1,7 +1,7 @@
 """Rows whose width neither divides 128 nor is a multiple of it, stored padded
 (pallas_emb.packing): the padded widths and their waste, the stored shapes,
 the optimizer math on logical rows (a row-wise mean over `dim` columns, not
-the padded width), the Pallas kernels in TPU interpret mode bit for bit
+the padded width), the block kernels in TPU interpret mode bit for bit
 against the XLA path, pad words that stay zero, and host copies,
 checkpoint-style resharding and a sharded step that never show the padding."""
 
@@ -15,22 +15,17 @@ import numpy as np
 import pytest
 from conftest import make_mesh
 from kernel_cases import (
-  CHUNK,
-  INTERPRET,
   STEP,
-  WINDOW,
   assert_kernels_equal_xla,
   bits,
-  dense_ids,
   random_state,
   run_update,
+  sweep_ids,
 )
 
 import pallas_emb as pe
 from pallas_emb import kernels, packing
 from pallas_emb import state as state_lib
-from pallas_emb.kernels import xla
-from pallas_emb.kernels.pallas_update import fused_update
 from sharding.layout import RowLayout
 
 OPTIMIZERS = [
@@ -90,19 +85,20 @@ def test_xla_path_on_padded_state_is_the_logical_update(opt):
   dtype, dim = jnp.float32, 96
   rng = np.random.default_rng(1)
   table, slots = random_state(opt, dtype, dim, rng)
-  rows = dense_ids(rng)
+  rows = sweep_ids(rng)
   grads = rng.normal(size=(rows.size, dim)).astype(np.float32)
   scalars = opt.scalars(jnp.int32(STEP))
   got_table, got_slots = run_update("xla", opt, dtype, table, slots, rows, grads, scalars, True)
   specs = opt.slot_specs()
-  live = rows[rows >= 0]
+  live = rows[(rows >= 0) & (rows < table.shape[0])]
   logical = {k: np.asarray(specs[k].values(v, dim))[live] for k, v in slots.items()}
   want_rows, want_slots = opt.update_rows(
     jnp.asarray(table[live, :dim]), logical, jnp.asarray(grads[: live.size]), scalars
   )
-  # To an ulp: XLA fuses the jitted path's arithmetic differently from the
-  # eager reference; math over 128 columns would be off by a quarter.
-  close = lambda a, b, msg="": np.testing.assert_allclose(a, b, rtol=1e-6, atol=0, err_msg=msg)
+  # To an ulp or two: XLA fuses the jitted path's arithmetic differently
+  # from the eager reference; math over 128 columns would be off by a
+  # quarter.
+  close = lambda a, b, msg="": np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8, err_msg=msg)
   close(np.asarray(got_table)[live, :dim], np.asarray(want_rows))
   np.testing.assert_array_equal(np.asarray(got_table)[:, dim:], 0)
   for k in slots:
@@ -114,30 +110,22 @@ def test_xla_path_on_padded_state_is_the_logical_update(opt):
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=OPT_IDS)
 def test_padded_kernels_equal_xla(opt, shape):
   dtype, dim = shape
-  table, slots, got = assert_kernels_equal_xla(opt, dtype, dim)
+  table, slots, _, got = assert_kernels_equal_xla(opt, dtype, dim)
   words = packing.row_words(dim, dtype)
   np.testing.assert_array_equal(packing.table_rows(np.asarray(got[0]), dim, dtype)[:, words:], 0)
-  assert kernels.uses_kernel("pallas", jnp.asarray(table), slots, opt)
+  assert kernels.uses_kernel("pallas", jnp.asarray(table), slots)
 
 
 def test_stochastic_rounding_of_padded_bf16_rows_equals_xla():
   # The noise is keyed by (row, column) of the logical row: padding must
   # not shift it.
   opt, dtype, dim = pe.RowWiseAdagrad(0.1), jnp.bfloat16, 96
+  _, _, rows, got = assert_kernels_equal_xla(opt, dtype, dim, seed=3, rounding=True)
   rng = np.random.default_rng(3)
   table, slots = random_state(opt, dtype, dim, rng)
-  rows = dense_ids(rng)
-  grads = rng.normal(size=(rows.size, dim)).astype(np.float32)
-  key = packing.rounding_key(5, jnp.int32(STEP))
-  args = (table, slots, rows, grads, opt.scalars(jnp.int32(STEP)), True)
-  kw = dict(optimizer=opt, dtype=dtype, rounding_key=key)
-  want = jax.jit(lambda *a: xla.fused_update(*a, **kw))(*args)
-  got = jax.jit(
-    lambda *a: fused_update(*a, **kw, interpret=INTERPRET, chunk_rows=CHUNK, window_rows=WINDOW)
-  )(*args)
-  np.testing.assert_array_equal(bits(got[0]), bits(want[0]))
-  nearest = jax.jit(lambda *a: xla.fused_update(*a, optimizer=opt, dtype=dtype))(*args)
-  assert not np.array_equal(bits(want[0]), bits(nearest[0]))
+  grads = np.random.default_rng(3).normal(size=(rows.size, dim)).astype(np.float32)
+  nearest = run_update("xla", opt, dtype, table, slots, rows, grads, opt.scalars(STEP), True)
+  assert not np.array_equal(bits(got[0]), bits(nearest[0]))
 
 
 def test_host_state_reshards_and_round_trips_without_padding():

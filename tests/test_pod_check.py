@@ -5,25 +5,28 @@ subprocess (`python -m pallas_emb.pod_check`) without network access
 (`unshare -n`). The compiles run two at a time, as the module's first test
 asks for them, and the tests read their reports:
 
-* the main job's async step compiles with the Mosaic kernels for v5e, v6e
+* the main job's async step compiles with the block kernels for v5e, v6e
   and v5p, and with FTRL on v5e;
 * W-TPU (one 1M-row table, D=128 f32, `item` + 20-id `history`, on v5e:2x2)
   fits in twice its working set, copies no table or slot, and its update's
   all-to-all overlaps the dense compute;
-* a dynamic-vocabulary table (`--dynamic`) keeps its lookup and update in
-  the kernels, with no copy of the table or its slots;
+* a dynamic-vocabulary table (`--dynamic`) keeps its update in the
+  kernels, with no copy of the table or its slots;
 * per-chip memory follows the ids, not the table or the chip count: the same
   batch with a 10x table, and 4x the chips with the same shard, keep temp
   flat.
 
-* every table shape: W-TPU's step for D in {16, 32, 64, 128} x {float32,
+* every table shape: W-TPU's step for D in {16, 64, 128} x {float32,
   bfloat16} x {RowWiseAdagrad, LazyAdam}, and FTRL, Adagrad and SGD at
-  D=32, on v5e and v6e, and the padded widths D in {96, 192} on v5e, runs
-  its gather and update in Mosaic and fits the bound on temp;
-* `OptaxRows`, whose math runs in XLA, moves its rows through the kernels
-  and copies no table or slot;
+  D=32, and the padded widths D in {96, 192}, on v5e, runs its update in
+  the block kernel (`--forms=block`) and fits the bound on temp (the
+  grid's v6e half and D=32 run under `-m grid`);
+* `OptaxRows`, whose math runs in XLA, moves its rows through the block
+  kernels and copies no table or slot;
 * the main job at its own D=16 and the DLRM configuration (26 tables, 4
-  stacks) update and gather every table in Mosaic and copy none;
+  stacks) update every table in the block kernel and copy none;
+* the cost model's forms (`--forms=auto`, the default) are in every report:
+  W-TPU's 256 examples per chip take XLA's scatter, as measured.
 * the all-to-alls' charge in XLA's cost model, probed op by op (`probes`).
 
 These compile at small batches: 256 examples per chip (W-TPU, which is also
@@ -79,6 +82,7 @@ COMPILES = {
     "--workload=main",
     "--dim=128",
     "--examples_per_chip=128",
+    "--forms=block",
   ],
   # W-TPU's table with a dynamic vocabulary, beside the same step static.
   "dynamic": [
@@ -87,6 +91,7 @@ COMPILES = {
     "--vocab=1000000",
     "--examples_per_chip=64",
     "--dynamic",
+    "--forms=block",
   ],
   # W-TPU, and the small end of the scaling pair.
   "w_tpu": [
@@ -116,13 +121,14 @@ COMPILES = {
   # a whole-shard buffer of even the narrowest table (D=16 bfloat16: 31 MiB)
   # would exceed the temp bound.
   "shapes": [
-    "--topology=v5e:2x2,v6e:2x2",
+    "--topology=v5e:2x2",
     "--workload=w_tpu",
     "--vocab=4000000",
     "--examples_per_chip=64",
     "--dtype=float32,bfloat16",
-    "--dim=16,32,64,128",
+    "--dim=16,64,128",
     "--optimizer=rowwise_adagrad,lazy_adam",
+    "--forms=block",
   ],
   # Widths stored padded (96 -> 128 words, 192 -> 256; bf16 96 -> 64 words
   # packed 2 to a row, 192 -> 128): on the kernel path too.
@@ -134,14 +140,16 @@ COMPILES = {
     "--dtype=float32,bfloat16",
     "--dim=96,192",
     "--optimizer=rowwise_adagrad,lazy_adam",
+    "--forms=block",
   ],
   "optimizers": [
-    "--topology=v5e:2x2,v6e:2x2",
+    "--topology=v5e:2x2",
     "--workload=w_tpu",
     "--vocab=4000000",
     "--examples_per_chip=64",
     "--dim=32",
     "--optimizer=ftrl,adagrad,sgd",
+    "--forms=block",
   ],
   # OptaxRows (optax.adam per row): its math in XLA, its rows through the
   # kernels (kernels.staged_update); synchronous only.
@@ -153,17 +161,42 @@ COMPILES = {
     "--pipelines=sync",
     "--dim=16,128",
     "--optimizer=optax_rows",
+    "--forms=block",
   ],
   # The main job as it runs (D=16 tables) and the DLRM configuration's 26
   # tables (D=16..128, rows capped at 20k).
-  "main_d16": ["--topology=v5e:2x2", "--workload=main", "--examples_per_chip=128"],
-  "dlrm": ["--topology=v5e:2x2", "--workload=dlrm", "--examples_per_chip=128"],
+  "main_d16": ["--topology=v5e:2x2", "--workload=main", "--examples_per_chip=128", "--forms=block"],
+  "dlrm": ["--topology=v5e:2x2", "--workload=dlrm", "--examples_per_chip=128", "--forms=block"],
   "ftrl": [
     "--topology=v5e:2x2",
     "--workload=main",
     "--dim=128",
     "--examples_per_chip=128",
     "--optimizer=ftrl",
+    "--forms=block",
+  ],
+}
+# The grid's other half, under `-m grid`: v6e for every shape, and D=32.
+GRID_COMPILES = {
+  "shapes_v6e": [
+    "--topology=v6e:2x2",
+    "--workload=w_tpu",
+    "--vocab=4000000",
+    "--examples_per_chip=64",
+    "--dtype=float32,bfloat16",
+    "--dim=16,32,64,128",
+    "--optimizer=rowwise_adagrad,lazy_adam",
+    "--forms=block",
+  ],
+  "shapes_d32": [
+    "--topology=v5e:2x2",
+    "--workload=w_tpu",
+    "--vocab=4000000",
+    "--examples_per_chip=64",
+    "--dtype=float32,bfloat16",
+    "--dim=32",
+    "--optimizer=rowwise_adagrad,lazy_adam",
+    "--forms=block",
   ],
 }
 
@@ -193,28 +226,40 @@ def _compile(tmp_path, name, args):
   return json.loads(out.read_text())
 
 
-@pytest.fixture(scope="module")
-def reports(tmp_path_factory):
+def _compile_all(tmp_path_factory, compiles):
   assert importlib.util.find_spec("libtpu") is not None, (
     "libtpu is missing: the test extra installs jax[tpu]"
   )
   tmp = tmp_path_factory.mktemp("pod_check")
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    futures = {name: pool.submit(_compile, tmp, name, args) for name, args in COMPILES.items()}
+    futures = {name: pool.submit(_compile, tmp, name, args) for name, args in compiles.items()}
     return {name: f.result() for name, f in futures.items()}
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+  return _compile_all(tmp_path_factory, COMPILES)
+
+
+def _assert_block_kernels(r, case):
+  """Every physical table updated by one block kernel call (the gather of a
+  table sharded over several chips is XLA's: its rows are not one ascending
+  run), and the report says so."""
+  assert r["backend"] == "pallas", case
+  assert r["kernels"].get("_block_update_call") == r["physical_tables"], (case, r["kernels"])
+  assert sum(r["kernels"].values()) == r["kernel_calls"], (case, r["kernels"])
+  for table in r["tables"].values():
+    assert table["forms"] == {"update": "block", "gather": "xla"}, (case, table["forms"])
 
 
 def test_main_job_async_step_compiles_for_v5e_v6e_v5p(reports):
   assert [r["topology"] for r in reports["main"]] == ["v5e:2x2", "v6e:2x2", "v5p:2x2x1"]
   for r in reports["main"]:
     assert r["backend"] == "pallas" and r["chips"] == 4
-    # Mosaic kernels: the three tables are stacked into one physical table
-    # (pallas_emb.stacking): its owner gather, the ids' gather and its fused
-    # update. (Unstacked: 3 x 2 gathers and the updates of user and item,
-    # the 64-row category table being too small for the kernel's 128-row
-    # groups.)
+    # The three tables are stacked into one physical table
+    # (pallas_emb.stacking): its fused update in the block kernel.
     assert r["physical_tables"] == 1
-    assert r["kernel_calls"] == 3, r["topology"]
+    _assert_block_kernels(r, r["topology"])
     # No table or slot of the kernels' tables is relaid out, or staged into
     # VMEM, every step.
     for name in r["tables"]:
@@ -225,10 +270,9 @@ def test_main_job_async_step_compiles_for_v5e_v6e_v5p(reports):
 def test_ftrl_step_compiles_with_every_table_in_the_kernels(reports):
   [r] = reports["ftrl"]
   # FTRL keeps two full-width slots, no per-row scalar. The three tables
-  # are one stack: its owner gather, the ids' gather and its fused update
-  # run in Mosaic kernels.
-  assert r["backend"] == "pallas" and r["physical_tables"] == 1, r
-  assert r["kernel_calls"] == 3, r
+  # are one stack, updated by the block kernel.
+  assert r["physical_tables"] == 1, r
+  _assert_block_kernels(r, "ftrl")
   for name, table in r["tables"].items():
     assert not table["copies"] and not table["prefetches"], (name, table)
 
@@ -247,10 +291,13 @@ def test_a_configuration_file_compiles_each_table_as_configured(reports):
     "item": (32, "float32", "Adagrad", False),
     "country": (16, "float32", "SGD", False),
   }
-  # The two large tables, packed (64 bf16 = 32 words, 32 f32 words: 4 rows
-  # to a 128-lane row) run in the kernels (owner gather, ids gather, update
-  # each), and none of their tables or slots is copied.
-  assert r["kernel_calls"] == 6, r["kernel_calls"]
+  # The cost model's forms (the default, --forms=auto): at 256 examples per
+  # chip the two large tables' sweeps cost more than XLA's scatter of their
+  # few ids, so every table takes XLA's forms; none of their tables or slots
+  # is copied.
+  for name, table in r["tables"].items():
+    assert table["forms"] == {"update": "xla", "gather": "xla"}, (name, table["forms"])
+  assert r["kernel_calls"] == 0, r["kernels"]
   for name in ("user", "item"):
     table = r["tables"][name]
     assert not table["copies"] and not table["prefetches"], (name, table)
@@ -269,6 +316,9 @@ def test_w_tpu_fits_twice_its_working_set_and_copies_no_table_or_slot(reports):
   assert r["temp_bytes"] <= 2 * working_set, r["temp_bytes"] / MIB
   item = r["tables"]["item"]
   assert not item["copies"] and not item["prefetches"], item
+  # At 256 examples per chip (5,376 ids) the model picks XLA's scatter over a
+  # sweep of the 250k-row shard (the chip measured the crossover between).
+  assert item["forms"] == {"update": "xla", "gather": "xla"}, item["forms"]
   # The table update's gradient all-to-all runs while the dense model
   # computes (async collectives, libtpu's async all-to-all on).
   update = [p for p in r["overlap"]["pairs"] if p["program"] == "apply_token_gradients"]
@@ -280,15 +330,15 @@ def test_every_table_shape_and_optimizer_runs_in_the_kernels(reports):
   cases = {
     (r["topology"], t["dim"], t["dtype"], t["optimizer"]) for r in got for t in r["tables"].values()
   }
-  assert len(got) == len(cases) == 2 * (4 * 2 * 2 + 3) + 2 * 2 * 2, sorted(cases)
+  assert len(got) == len(cases) == 3 * 2 * 2 + 3 + 2 * 2 * 2, sorted(cases)
+  _assert_shapes(got)
+
+
+def _assert_shapes(got):
   for r in got:
     [table] = r["tables"].values()
     case = (r["topology"], table["dim"], table["dtype"], table["optimizer"])
-    # The owner's gather (and at 128 lanes of float32 the ids' gather from
-    # the rows received) and the fused update, in Mosaic.
-    assert r["backend"] == "pallas", case
-    assert r["kernels"].get("_fused_update_call") == 1, (case, r["kernels"])
-    assert r["kernels"].get("_gather_call") in (1, 2), (case, r["kernels"])
+    _assert_block_kernels(r, case)
     assert not table["copies"] and not table["prefetches"], (case, table)
     row_bytes = table["dim"] * (2 if table["dtype"] == "bfloat16" else 4)
     working_set = 2 * r["ids_per_chip"] * row_bytes  # rows received + grads sent
@@ -296,15 +346,18 @@ def test_every_table_shape_and_optimizer_runs_in_the_kernels(reports):
     assert r["temp_bytes"] <= bound, (case, r["temp_bytes"] / MIB, bound / MIB)
 
 
+@pytest.mark.grid
+def test_every_table_shape_runs_in_the_kernels_on_v6e_and_at_d32(tmp_path_factory):
+  got = _compile_all(tmp_path_factory, GRID_COMPILES)
+  _assert_shapes(got["shapes_v6e"] + got["shapes_d32"])
+
+
 @pytest.mark.parametrize("name", ["main_d16", "dlrm"])
 def test_main_job_and_dlrm_run_every_table_in_the_kernels_and_copy_none(reports, name):
   [r] = reports[name]
-  assert r["backend"] == "pallas", r
   # Each physical table (a stack of the logical ones) is updated by one
-  # fused kernel and gathered by at least one.
-  assert r["kernels"].get("_fused_update_call") == r["physical_tables"], r["kernels"]
-  assert r["kernels"].get("_gather_call", 0) >= r["physical_tables"], r["kernels"]
-  assert sum(r["kernels"].values()) == r["kernel_calls"], r["kernels"]
+  # block kernel call.
+  _assert_block_kernels(r, name)
   for table_name, table in r["tables"].items():
     assert not table["copies"] and not table["prefetches"], (table_name, table)
 
@@ -314,10 +367,10 @@ def test_optax_rows_moves_its_rows_through_the_kernels_and_no_shard(reports):
     [table] = r["tables"].values()
     case = (table["dim"], table["optimizer"])
     assert table["optimizer"] == "OptaxRows" and r["pipeline"] == "sync", case
-    # The table and Adam's three slots (count, mu, nu): each gathered and
-    # written back by a kernel (plus the lookup's gathers).
-    assert r["kernels"].get("_fused_update_call") == 4, (case, r["kernels"])
-    assert r["kernels"].get("_gather_call", 0) >= 5, (case, r["kernels"])
+    # The table and Adam's three slots (count, mu, nu): each read by the
+    # block gather and written back by the block update.
+    assert r["kernels"].get("_block_update_call") == 4, (case, r["kernels"])
+    assert r["kernels"].get("_block_gather_call") == 4, (case, r["kernels"])
     # On the XLA path XLA staged both moment slots into VMEM in slices and
     # its temp grew with the table (247 MiB for these 4M rows at D=16).
     assert not table["copies"] and not table["prefetches"], (case, table)
@@ -356,10 +409,10 @@ def test_a_dynamic_vocabulary_keeps_the_table_in_the_kernels(reports):
   assert dynamic["tables"]["item"]["dynamic_vocabulary"]
   assert not static["tables"]["item"]["dynamic_vocabulary"]
   # The id map only translates raw ids into rows before the static path:
-  # the owner gather, the ids' gather and the fused update are the static
-  # step's Mosaic kernels, and neither step relays the table or a slot out.
-  assert dynamic["backend"] == static["backend"] == "pallas"
-  assert dynamic["kernel_calls"] == static["kernel_calls"] == 3, (dynamic, static)
+  # the fused update is the static step's block kernel, and neither step
+  # relays the table or a slot out.
+  for r in (dynamic, static):
+    _assert_block_kernels(r, r["pipeline"])
   for r in (dynamic, static):
     assert not r["tables"]["item"]["copies"], (r["pipeline"], r["tables"]["item"])
   assert not static["tables"]["item"]["prefetches"]

@@ -43,14 +43,14 @@ def _state(dtype, dim, rng):
 @functools.cache
 def _update(impl, dtype, stochastic):
   def fn(table, slots, rows, grads, apply):
-    key = packing.rounding_key(3, jnp.int32(5)) if stochastic else None
-    kw = dict(optimizer=OPT, dtype=dtype, rounding_key=key)
+    keys = None
+    if stochastic:
+      keys = packing.row_rounding_keys(packing.rounding_key(3, jnp.int32(5)), rows)
+    kw = dict(optimizer=OPT, dtype=dtype, rounding_keys=keys)
     args = (table, slots, rows, grads, OPT.scalars(5), apply)
     if impl == "xla":
       return xla.fused_update(*args, **kw)
-    return staged_update.fused_update(
-      *args, **kw, interpret=pltpu.InterpretParams(), chunk_rows=CHUNK
-    )
+    return staged_update.fused_update(*args, **kw, interpret=pltpu.InterpretParams())
 
   return jax.jit(fn)
 

@@ -1,8 +1,10 @@
 """Stochastic rounding of bfloat16 rows (`TableSpec.stochastic_rounding`):
 unbiased between the two bfloat16 neighbours, special values kept, the
-Pallas kernel bit for bit equal to the XLA path (plain and packed rows), a
-step deterministic for a seed, and a bfloat16 table that tracks the float32
-trajectory where round-to-nearest-even stalls."""
+block kernel bit for bit equal to the XLA path (plain and packed rows), a
+step deterministic for a seed and the same on every mesh, stacking and
+backend (the noise is keyed by table, logical row, column, step and seed),
+and a bfloat16 table that tracks the float32 trajectory where
+round-to-nearest-even stalls."""
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +18,7 @@ import pallas_emb as pe
 from pallas_emb import packing
 from pallas_emb.errors import InputError, SpecError
 from pallas_emb.kernels import xla
-from pallas_emb.kernels.pallas_update import fused_update
+from pallas_emb.kernels.block_update import fused_update
 
 ULP = 2.0**-7  # of a bfloat16 in [1, 2)
 
@@ -32,8 +34,8 @@ def test_rounding_picks_a_neighbour_with_probability_by_nearness():
   rows = jnp.asarray([3, 4], jnp.int32)
 
   def at(step):
-    noise = packing.rounding_noise(packing.rounding_key(7, step), rows, x.shape[1])
-    return packing.pack_rows(x, jnp.bfloat16, noise)
+    keys = packing.row_rounding_keys(packing.rounding_key(7, step), rows)
+    return packing.pack_rows(x, jnp.bfloat16, packing.rounding_noise(keys, x.shape[1]))
 
   words = jax.vmap(at)(jnp.arange(2000, dtype=jnp.int32))  # (2000, 2, 5)
   got = _to_f32(np.asarray(words).reshape(-1, 5)).reshape(2000, 2, 10)
@@ -50,10 +52,10 @@ def test_exact_and_special_values_are_kept():
   special = [1.0, 1.0 + ULP, -3.5, 0.0, -0.0, np.inf, -np.inf, np.nan]
   x = jnp.asarray(np.array([special * 2], np.float32))
   for step in range(4):
-    key = packing.rounding_key(1, jnp.int32(step))
-    words = packing.pack_rows(
-      x, jnp.bfloat16, packing.rounding_noise(key, jnp.int32(0), x.shape[1])
+    keys = packing.row_rounding_keys(
+      packing.rounding_key(1, jnp.int32(step)), jnp.zeros((1,), jnp.int32)
     )
+    words = packing.pack_rows(x, jnp.bfloat16, packing.rounding_noise(keys, x.shape[1]))
     got = packing.from_storage(np.asarray(words), jnp.bfloat16)
     want = packing.from_storage(packing.to_storage(np.asarray(x), jnp.bfloat16), jnp.bfloat16)
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
@@ -87,18 +89,16 @@ def test_kernel_equals_xla_path_bit_for_bit(opt, dim):
   # Two chunks and a partial one; several ids of one packed physical row.
   rows = np.concatenate([np.sort(rng.choice(96, 40, replace=False)), [-1] * 4]).astype(np.int32)
   grads = (1e-3 * rng.normal(size=(rows.size, dim))).astype(np.float32)
-  key = packing.rounding_key(11, jnp.int32(5))
+  keys = packing.row_rounding_keys(packing.rounding_key(11, jnp.int32(5), 3), jnp.asarray(rows))
   args = (table, slots, rows, grads, opt.scalars(jnp.int32(5)), True)
-  kw = dict(optimizer=opt, dtype=jnp.bfloat16)
-  want = jax.jit(lambda *a: xla.fused_update(*a, **kw, rounding_key=key))(*args)
+  kw = dict(optimizer=opt, dtype=jnp.bfloat16, rounding_keys=keys)
+  want = jax.jit(lambda *a: xla.fused_update(*a, **kw))(*args)
   got = jax.jit(
-    lambda *a: fused_update(
-      *a, **kw, rounding_key=key, interpret=pltpu.InterpretParams(), chunk_rows=16
-    )
+    lambda *a: fused_update(*a, **kw, interpret=pltpu.InterpretParams(), chunk_rows=16)
   )(*args)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-  nearest = jax.jit(lambda *a: xla.fused_update(*a, **kw))(*args)
+  nearest = jax.jit(lambda *a: xla.fused_update(*a, optimizer=opt, dtype=jnp.bfloat16))(*args)
   # The rounding is in effect: some words differ from round-to-nearest.
   assert (np.asarray(got[0]) != np.asarray(nearest[0])).any()
 
@@ -120,7 +120,7 @@ def test_the_kernel_lowers_for_tpu_with_stochastic_rounding():
       True,
       optimizer=opt,
       dtype=jnp.bfloat16,
-      rounding_key=packing.rounding_key(3, step),
+      rounding_keys=packing.row_rounding_keys(packing.rounding_key(3, step), rows),
     )
 
   step = jax.ShapeDtypeStruct((), jnp.int32)
@@ -130,9 +130,47 @@ def test_the_kernel_lowers_for_tpu_with_stochastic_rounding():
   assert len(tpu_lowering.mosaic_calls(exported)) == 1
 
 
-def _emb(*tables):
+def _emb(*tables, devices=4, backend="xla", stacking="auto"):
   feats = [pe.FeatureSpec(t.name, t.name, "sum") for t in tables]
-  return pe.ShardedEmbedding(list(tables), feats, make_mesh(4), "x", "xla")
+  return pe.ShardedEmbedding(
+    list(tables), feats, make_mesh(devices), "x", backend, stacking=stacking
+  )
+
+
+def _two_tables(devices, backend, stacking):
+  """Two bfloat16 tables of one seed (so they stack), each id once a step,
+  three steps; their logical tables as uint16 words."""
+  kw = dict(dim=16, dtype=jnp.bfloat16, optimizer=pe.SGD(0.003), stochastic_rounding=True)
+  emb = _emb(
+    pe.TableSpec("a", 96, **kw),
+    pe.TableSpec("b", 120, **kw),
+    devices=devices,
+    backend=backend,
+    stacking=stacking,
+  )
+  state = emb.init(jax.random.key(0))
+  rng = np.random.default_rng(0)
+  for _ in range(3):
+    ids = {"a": rng.permutation(96)[:64, None], "b": rng.permutation(120)[:64, None]}
+    ids = {k: v.astype(np.int32) for k, v in ids.items()}
+    acts, res = emb.lookup(state, ids)
+    grads = {k: jnp.asarray(rng.normal(size=v.shape), jnp.float32) for k, v in acts.items()}
+    state = emb.apply_gradients(state, res, grads)[0]
+  return {k: np.asarray(emb.logical_table(state, k)).view(np.uint16) for k in ("a", "b")}
+
+
+# (devices, backend, stacking): every mesh, stacking and backend rounds the
+# same values alike (each row keyed by its table and logical row, not by its
+# shard or its place in a stack).
+SETUPS = [(4, "xla", "off"), (8, "xla", "auto"), (2, "interpret", "auto")]
+
+
+@pytest.mark.parametrize("setup", SETUPS, ids=["4-xla-unstacked", "8-xla-stacked", "2-interpret"])
+def test_rounding_is_the_same_on_every_mesh_stacking_and_backend(setup):
+  want = _two_tables(4, "xla", "auto")
+  got = _two_tables(*setup)
+  for k in want:
+    np.testing.assert_array_equal(got[k], want[k], k)
 
 
 def test_bf16_tracks_f32_where_round_to_nearest_stalls():
@@ -207,18 +245,14 @@ def test_bad_settings_are_refused_with_the_fix():
   opt = pe.SGD()
   table, slots = np.zeros((8, 16), np.float32), {}
   args = (table, slots, np.arange(8, dtype=np.int32), np.zeros((8, 16), np.float32))
-  with pytest.raises(InputError, match="bfloat16 rows only.*rounding_key=None"):
+  keys = packing.row_rounding_keys(packing.rounding_key(0, 0), jnp.arange(8))
+  with pytest.raises(InputError, match="bfloat16 rows only.*rounding_keys=None"):
     xla.fused_update(
-      *args,
-      opt.scalars(0),
-      True,
-      optimizer=opt,
-      dtype=jnp.float32,
-      rounding_key=packing.rounding_key(0, 0),
+      *args, opt.scalars(0), True, optimizer=opt, dtype=jnp.float32, rounding_keys=keys
     )
-  with pytest.raises(InputError, match="uint32 scalar"):
+  with pytest.raises(InputError, match=r"uint32\[8\], one per row id"):
     xla.fused_update(
-      *args, opt.scalars(0), True, optimizer=opt, dtype=jnp.bfloat16, rounding_key=jnp.int32(0)
+      *args, opt.scalars(0), True, optimizer=opt, dtype=jnp.bfloat16, rounding_keys=keys[:4]
     )
 
 

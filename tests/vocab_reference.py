@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from sharding import map_slots
 from sharding.id_map import sketch_slots
 from sharding.layout import RowLayout
 
@@ -33,7 +34,11 @@ class ReferenceVocab:
     self.step = 0
 
   def usable(self, s, j):
-    return self.layout.logical_of(s * self.C + j) >= 0
+    return bool(map_slots.usable(self.layout, s, j))
+
+  def row(self, s, j):
+    """The logical row of slot j of shard s (`sharding.map_slots`)."""
+    return int(self.layout.logical_of(s * self.C + int(map_slots.slot_rows(self.layout, s, j))))
 
   def _evict(self, s, j):
     del self.where[s][self.key[s][j]]
@@ -81,7 +86,7 @@ class ReferenceVocab:
         continue
       s = (k >> 32) % self.S
       j = self.where[s].get(k)
-      rows.append(-2 if j is None else int(self.layout.logical_of(s * self.C + j)))
+      rows.append(-2 if j is None else self.row(s, j))
     m["occupancy"] = sum(len(w) for w in self.where)
     m["misses"] = sum(r == -2 for r in rows)
     return rows, m
@@ -150,8 +155,4 @@ class ReferenceVocab:
 
   def resident(self):
     """{key: logical row}."""
-    return {
-      k: int(self.layout.logical_of(s * self.C + j))
-      for s in range(self.S)
-      for k, j in self.where[s].items()
-    }
+    return {k: self.row(s, j) for s in range(self.S) for k, j in self.where[s].items()}

@@ -33,7 +33,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_emb as pe
-from pallas_emb import packing
 from pallas_emb.job.model import item_history_loss
 from pallas_emb.kernels import forms
 
@@ -112,9 +111,7 @@ def plain_step(optimizer, rows: int, dim: int, dtype):
 
   def init():
     table = jax.random.normal(jax.random.key(0), (rows, dim), jnp.float32).astype(dtype) * 0.01
-    return table, {
-      k: jnp.full((rows, s.width_for(dim)), s.init, s.dtype) for k, s in specs.items()
-    }
+    return table, {k: jnp.full((rows, s.width_for(dim)), s.init, s.dtype) for k, s in specs.items()}
 
   return jax.jit(step, donate_argnums=(0, 1)), init
 
@@ -149,10 +146,15 @@ def time_case(case: GridCase, *, steps: int, mesh) -> dict:
   """Every form of `case`, interleaved; see the module docstring."""
   rng = np.random.default_rng(1)
   batches = [
-    (jax.device_put(draw_ids(rng, case.rows, case.batch)), jax.device_put(np.zeros(case.batch, np.float32)))
+    (
+      jax.device_put(draw_ids(rng, case.rows, case.batch)),
+      jax.device_put(np.zeros(case.batch, np.float32)),
+    )
     for _ in range(4)
   ]
-  unique = int(np.mean([np.unique(np.concatenate([v.ravel() for v in b[0].values()])).size for b in batches]))
+  unique = int(
+    np.mean([np.unique(np.concatenate([v.ravel() for v in b[0].values()])).size for b in batches])
+  )
   runs, chosen = {}, {}
   for name, backend, form in (("default", None, "auto"), ("xla", "xla", "auto")):
     with forms.forcing(form):
@@ -167,7 +169,9 @@ def time_case(case: GridCase, *, steps: int, mesh) -> dict:
     with forms.forcing("block"):
       step, tables, emb = library_step(case, None, mesh)
       jax.block_until_ready(step(tables, *batches[0]))
-      runs["block"] = dict(call=lambda s, b, step=step: step(s, *b), state=emb.init(jax.random.key(0)))
+      runs["block"] = dict(
+        call=lambda s, b, step=step: step(s, *b), state=emb.init(jax.random.key(0))
+      )
   plain, init = plain_step(OPTIMIZERS[case.optimizer](), case.rows, case.dim, jnp.dtype(case.dtype))
   runs["plain"] = dict(call=lambda s, b: plain(*s, *b), state=init())
   times = {k: [] for k in runs}

@@ -61,8 +61,9 @@ def _block_rows(arrays, num_rows: int, dim: int, dtype) -> int:
 
 
 def gather_form(backend: str, table, num_ids: int, *, dim: int, dtype, ascending: bool) -> str:
-  """"block" or "xla": the form of a gather of `num_ids` rows on `backend`
+  """ "block" or "xla": the form of a gather of `num_ids` rows on `backend`
   (the block form needs ascending ids)."""
+  check_name(backend)
   if not ascending or not uses_kernel(backend, table):
     return "xla"
   if backend == "interpret":
@@ -80,9 +81,7 @@ def gather_form(backend: str, table, num_ids: int, *, dim: int, dtype, ascending
   )
 
 
-def gather(
-  table, rows, *, dtype, backend: str, dim: int | None = None, ascending: bool = False
-):
+def gather(table, rows, *, dtype, backend: str, dim: int | None = None, ascending: bool = False):
   """(C,) local rows (-1 padding) of a stored table -> (C, dim) float32.
 
   `dim`: the row width, for a table that may be stored packed
@@ -97,7 +96,7 @@ def gather(
 
 
 def update_form(backend: str, table, slots, num_ids: int, *, dim: int, dtype) -> str:
-  """"block" or "xla": the form of an update of `num_ids` rows on `backend`
+  """ "block" or "xla": the form of an update of `num_ids` rows on `backend`
   (a kernel backend; "native" and "xla" run their own)."""
   if not uses_kernel(backend, table, slots):
     return "xla"
@@ -138,8 +137,15 @@ def fused_update(
   in a kernel (`runs_in_kernel` False) has it run in XLA on the rows the
   block kernels move (`staged_update`)."""
   dim = checks.check_update(
-    table, slots, rows, grads, scalars, optimizer=optimizer, dtype=dtype,
-    rounding_keys=rounding_keys, dim=dim,
+    table,
+    slots,
+    rows,
+    grads,
+    scalars,
+    optimizer=optimizer,
+    dtype=dtype,
+    rounding_keys=rounding_keys,
+    dim=dim,
   )
   args = (table, slots, rows, grads, scalars, apply)
   kw = dict(optimizer=optimizer, dtype=dtype, rounding_keys=rounding_keys, dim=dim)
@@ -176,7 +182,15 @@ def segment_sum_update(
   """Sum per row, norm, gate and update in one pass (when
   `fuses_segment_sum`); see `native.segment_sum_update`."""
   return native.segment_sum_update(
-    table, slots, rows, inverse, token_grads, scalars, gate, optimizer=optimizer, dtype=dtype,
+    table,
+    slots,
+    rows,
+    inverse,
+    token_grads,
+    scalars,
+    gate,
+    optimizer=optimizer,
+    dtype=dtype,
     dim=dim,
   )
 

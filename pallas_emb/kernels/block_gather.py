@@ -39,7 +39,7 @@ DEFAULT_CHUNK = 512
 DEFAULT_BLOCK_BYTES = 1 << 20
 
 
-def _kernel(
+def _gather_kernel(
   rows_ref,  # (n,) int32 SMEM: local row ids, ascending, padding last
   block_ref,  # (V,) int32 SMEM: each visit's table block (blocks.Plan)
   chunk_ref,  # (V,) int32 SMEM: its chunk of ids
@@ -66,7 +66,9 @@ def _kernel(
 
   def load(j):
     r = rows_ref[j]
-    x = lax.bitcast_convert_type(table_ref[pl.ds((r >> shift) - ((b * block) >> shift), 1), :], jnp.int32)
+    x = lax.bitcast_convert_type(
+      table_ref[pl.ds((r >> shift) - ((b * block) >> shift), 1), :], jnp.int32
+    )
     if shift:
       x = pltpu.roll(x, (LANES - (r & ((1 << shift) - 1)) * width) % LANES, 1)
     return x
@@ -89,7 +91,7 @@ def gather(
   dtype,
   dim: int | None = None,
   interpret=False,
-  chunk: int = DEFAULT_CHUNK,
+  chunk_rows: int = DEFAULT_CHUNK,
   block_bytes: int = DEFAULT_BLOCK_BYTES,
   block_rows: int | None = None,
   target: chip_lib.Target = None,
@@ -100,29 +102,40 @@ def gather(
     table, dtype, dim: as for `xla.gather`.
     rows: (U,) int32 local row ids, ascending, padding (-1, or any id
       outside [0, R)) last.
-    interpret, chunk, block_bytes, block_rows, target: as for
+    interpret, chunk_rows, block_bytes, block_rows, target: as for
       `block_update.fused_update`.
 
   Returns:
     (U, dim) float32, zero rows for padding.
+
+  Raises:
+    InputError: arrays of the wrong shape or dtype.
+    ConfigError: a bad chunk_rows, block_rows, interpret or target.
+    VmemBudgetError: a block and a chunk do not fit the chip's VMEM.
   """
   dim = checks.check_gather(table, rows, dtype, dim)
   params = checks.interpret_params(interpret)
   num_ids = rows.shape[0]
   if num_ids == 0:
     return jnp.zeros((0, dim), jnp.float32)
-  chunk = checks.chunk_size(chunk, num_ids)
+  chunk = checks.chunk_size(chunk_rows, num_ids)
   width = checks.row_width(table, dim, dtype)
   num_rows = packing.num_rows_of(table, width)
   if block_rows is None:
     block_rows = blocks.block_rows(num_rows, width * 4, block_bytes)
+  blocks.check_block(block_rows, num_rows)
   ids = blocks.pad_ids(rows, chunk)
   plan = blocks.plan(ids, num_rows=num_rows, block=block_rows, chunk=chunk, visit_padding=True)
   shift = blocks.shift_of(width, table.shape[1])
   pad = chip_lib.padded_words
   block_shape = (min(block_rows >> shift, table.shape[0]), table.shape[1])
-  footprint = chip_lib.WORD_BYTES * (
-    2 * pad(*block_shape) + 2 * pad(chunk, dim) + pad(chunk, table.shape[1])
+  footprint = chip_lib.check_vmem(
+    "block_gather",
+    lambda c: (
+      chip_lib.WORD_BYTES * (2 * pad(*block_shape) + 2 * pad(c, dim) + pad(c, table.shape[1]))
+    ),
+    chunk,
+    chip_lib.resolve_chip(target),
   )
   out = _block_gather_call(
     table,
@@ -144,11 +157,15 @@ def gather(
   jax.jit,
   static_argnames=["dtype", "dim", "width", "shift", "block", "chunk", "interpret", "vmem_limit"],
 )
-def _block_gather_call(table, ids, plan, *, dtype, dim, width, shift, block, chunk, interpret, vmem_limit):
+def _block_gather_call(
+  table, ids, plan, *, dtype, dim, width, shift, block, chunk, interpret, vmem_limit
+):
   rows = min(block >> shift, table.shape[0])
   if interpret:  # see block_update._block_update_call
-    table = jnp.pad(table, ((0, -table.shape[0] % rows), (0, 0)))
-  kernel = functools.partial(_kernel, dtype=dtype, dim=dim, width=width, shift=shift, block=block)
+    table = blocks.padded_to_blocks(table, rows)
+  kernel = functools.partial(
+    _gather_kernel, dtype=dtype, dim=dim, width=width, shift=shift, block=block
+  )
   return pl.pallas_call(
     kernel,
     grid_spec=pltpu.PrefetchScalarGridSpec(

@@ -56,34 +56,11 @@ DEFAULT_CHUNK = 512
 DEFAULT_BLOCK_BYTES = 1 << 20
 
 
-class Array(NamedTuple):
-  """One swept array (the table, then each slot), static.
-
-  Attributes:
-    name: the slot's name ("" for the table).
-    width: words of a logical row (1 for a per-row scalar).
-    shift: log2 of logical rows per stored row (0: stored as rows).
-  """
-
-  name: str
-  width: int
-  shift: int
-
-
-def _arrays(table, slots, specs, dim, dtype) -> tuple[Array, ...]:
-  out = []
-  for name, x, width in [("", table, checks.row_width(table, dim, dtype))] + [
-    (n, slots[n], specs[n].stored_width(dim)) for n in slots
-  ]:
-    out.append(Array(name, width, blocks.shift_of(width, x.shape[1])))
-  return tuple(out)
-
-
 def _bits(x):
   return lax.bitcast_convert_type(x, jnp.int32)
 
 
-def _kernel(
+def _update_kernel(
   # Scalar prefetch (SMEM):
   rows_ref,  # (n,) int32 local row ids, ascending, padding last
   block_ref,  # (V,) int32 each visit's table block   (blocks.Plan)
@@ -94,7 +71,7 @@ def _kernel(
   # Blocks:
   grads_ref,  # (G, dim) float32: the chunk's summed gradients
   *refs,  # [(G, 1) uint32 rounding keys], inputs, outputs, tiles, DMA semaphores
-  arrays: tuple[Array, ...],
+  arrays: tuple[blocks.Array, ...],
   optimizer,
   dtype,
   scalars_type,
@@ -113,7 +90,9 @@ def _kernel(
 
   @pl.when((i == 0) | (block_ref[jnp.maximum(i - 1, 0)] != b))
   def _():
-    copies = [pltpu.make_async_copy(src, dst, sems.at[a]) for a, (src, dst) in enumerate(zip(ins, outs))]
+    copies = [
+      pltpu.make_async_copy(src, dst, sems.at[a]) for a, (src, dst) in enumerate(zip(ins, outs))
+    ]
     for c in copies:
       c.start()
     for c in copies:
@@ -121,7 +100,7 @@ def _kernel(
 
   lane = lax.broadcasted_iota(jnp.int32, (1, LANES), 1)
 
-  def place(a: Array, r):
+  def place(a: blocks.Array, r):
     """(stored row in the block, lane offset) of local row r in array a."""
     return (r >> a.shift) - (base >> a.shift), (r & ((1 << a.shift) - 1)) * a.width
 
@@ -177,7 +156,9 @@ def _kernel(
       a, out = arrays[k], outs[k]
       places = [place(a, r) for r in rs]
       old = [_bits(out[pl.ds(phys, 1), :]) for phys, _ in places]
-      new = [pltpu.roll(tiles[k][pl.ds(j - first_id, 1), :], off, 1) for j, (_, off) in zip(ids, places)]
+      new = [
+        pltpu.roll(tiles[k][pl.ds(j - first_id, 1), :], off, 1) for j, (_, off) in zip(ids, places)
+      ]
       merged = []
       for u, (phys, off) in enumerate(places):
         base = old[u] if u == 0 else jnp.where(phys == places[u - 1][0], merged[-1], old[u])
@@ -207,19 +188,14 @@ def _kernel(
     blocks.for_each_id(lo, hi, scatter)
 
 
-def _block_shape(a: Array, x, block: int) -> tuple[int, int]:
-  """Array a's block: the stored rows of `block` logical rows, or all of
-  them for a shard of one block."""
-  return (min(block >> a.shift, x.shape[0]), x.shape[1])
-
-
 def vmem_bytes(arrays, operands, *, dim: int, block: int, chunk: int, stochastic: bool) -> int:
   """VMEM of one call: per array its input and output blocks, each double
   buffered by the pipeline, and its (G, 128) tile; the (G, dim) gradients,
   double buffered (and the (G, 1) rounding keys)."""
   pad = chip_lib.padded_words
   words = sum(
-    4 * pad(*_block_shape(a, x, block)) + pad(chunk, x.shape[1]) for a, x in zip(arrays, operands)
+    4 * pad(*blocks.block_shape(a, x, block)) + pad(chunk, x.shape[1])
+    for a, x in zip(arrays, operands)
   )
   words += 2 * pad(chunk, dim) + stochastic * 2 * pad(chunk, 1)
   return words * chip_lib.WORD_BYTES
@@ -238,7 +214,7 @@ def fused_update(
   rounding_keys: jax.Array | None = None,
   dim: int | None = None,
   interpret=False,
-  chunk: int = DEFAULT_CHUNK,
+  chunk_rows: int = DEFAULT_CHUNK,
   block_bytes: int = DEFAULT_BLOCK_BYTES,
   block_rows: int | None = None,
   target: chip_lib.Target = None,
@@ -251,7 +227,8 @@ def fused_update(
     rounding_keys: None, or (U,) uint32 per-row keys of stochastic
       rounding (`packing.row_rounding_keys`).
     interpret: False (compile for TPU), True or `pltpu.InterpretParams`.
-    chunk: ids per chunk G, a multiple of 8.
+    chunk_rows: ids per chunk G, a multiple of 8 (capped at the ids,
+      rounded up to 8).
     block_bytes: the table block's target size (`blocks.block_rows`).
     block_rows: rows per block B, overriding `block_bytes` (a multiple of
       `blocks.BLOCK_ALIGNMENT`, or the shard's rows).
@@ -260,21 +237,34 @@ def fused_update(
   Returns:
     (table, slots) with only the listed rows changed; donate them to the
     enclosing jit for the update to happen in place.
+
+  Raises:
+    InputError: arrays of the wrong shape or dtype.
+    ConfigError: a bad chunk_rows, block_rows, interpret or target.
+    VmemBudgetError: a block and a chunk do not fit the chip's VMEM.
   """
   dim = checks.check_update(
-    table, slots, rows, grads, scalars, optimizer=optimizer, dtype=dtype, dim=dim
+    table,
+    slots,
+    rows,
+    grads,
+    scalars,
+    optimizer=optimizer,
+    dtype=dtype,
+    rounding_keys=rounding_keys,
+    dim=dim,
   )
   params = checks.interpret_params(interpret)
-  chunk = checks.chunk_size(chunk, rows.shape[0])
+  chunk = checks.chunk_size(chunk_rows, rows.shape[0])
   if rows.shape[0] == 0:
     return table, dict(slots)
   specs = optimizer.slot_specs()
-  arrays = _arrays(table, slots, specs, dim, dtype)
+  arrays = blocks.arrays(table, slots, specs, dim, dtype)
   num_rows = checks.table_rows(table, dim, dtype)
   if block_rows is None:
     row_bytes = max(a.width for a in arrays) * 4
     block_rows = blocks.block_rows(num_rows, row_bytes, block_bytes)
-  check_block(block_rows, num_rows)
+  blocks.check_block(block_rows, num_rows)
   n = rows.shape[0]
   ids = blocks.pad_ids(rows, chunk)
   grads = jnp.pad(grads, ((0, ids.shape[0] - n), (0, 0)))
@@ -287,8 +277,13 @@ def fused_update(
   chip = chip_lib.resolve_chip(target)
   names = tuple(slots)
   operands = (table,) + tuple(slots[k] for k in names)
-  footprint = vmem_bytes(
-    arrays, operands, dim=dim, block=block_rows, chunk=chunk, stochastic=keys is not None
+  footprint = chip_lib.check_vmem(
+    "block_update",
+    lambda c: vmem_bytes(
+      arrays, operands, dim=dim, block=block_rows, chunk=c, stochastic=keys is not None
+    ),
+    chunk,
+    chip,
   )
   out = _block_update_call(
     table,
@@ -308,15 +303,6 @@ def fused_update(
     vmem_limit=chip_lib.vmem_limit_bytes(footprint, chip),
   )
   return out[0], dict(zip(names, out[1:]))
-
-
-def check_block(block: int, num_rows: int) -> None:
-  """A block is the whole shard or a multiple of `blocks.BLOCK_ALIGNMENT`."""
-  if block != num_rows and (block <= 0 or block % blocks.BLOCK_ALIGNMENT):
-    raise ValueError(
-      f"block_rows={block}: a block is the shard's {num_rows} rows or a positive multiple of "
-      f"{blocks.BLOCK_ALIGNMENT}; use block_rows={blocks.BLOCK_ALIGNMENT} or None."
-    )
 
 
 @functools.partial(
@@ -358,12 +344,13 @@ def _block_update_call(
     # returns aliased outputs padded to whole blocks, so it is handed whole
     # blocks (rows past the shard are never ids: the same result).
     everything = tuple(
-      _padded_to_blocks(x, _block_shape(a, x, block)[0]) for a, x in zip(arrays, everything)
+      blocks.padded_to_blocks(x, blocks.block_shape(a, x, block)[0])
+      for a, x in zip(arrays, everything)
     )
   dim = grads.shape[1]
   num_prefetch = 6
   blocked = lambda a, x: pl.BlockSpec(
-    _block_shape(a, x, block), lambda i, rows, blk, chk, lo, hi, sc: (blk[i], 0)
+    blocks.block_shape(a, x, block), lambda i, rows, blk, chk, lo, hi, sc: (blk[i], 0)
   )
   by_chunk = lambda cols: pl.BlockSpec(
     (chunk, cols), lambda i, rows, blk, chk, lo, hi, sc: (chk[i], 0)
@@ -371,7 +358,7 @@ def _block_update_call(
   specs = [blocked(a, x) for a, x in zip(arrays, everything)]
   stochastic = keys is not None
   kernel = functools.partial(
-    _kernel,
+    _update_kernel,
     arrays=arrays,
     optimizer=optimizer,
     dtype=dtype,
@@ -401,8 +388,3 @@ def _block_update_call(
     interpret=interpret,
   )(ids, *plan, flat_scalars, *operands)
   return [x[:n] for x, n in zip(out, sizes)]
-
-
-def _padded_to_blocks(x, rows: int):
-  return jnp.pad(x, ((0, -x.shape[0] % rows), (0, 0)))
-

@@ -27,6 +27,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_emb.errors import ConfigError
+from pallas_emb.kernels import checks
 from pallas_emb.kernels.chip import SUBLANES, round_up
 
 # Rows of every block: a multiple of 1024 keeps each array's block whole
@@ -62,6 +64,45 @@ def block_rows(num_rows: int, row_bytes: int, block_bytes: int) -> int:
   """
   rows = max(BLOCK_ALIGNMENT, block_bytes // max(row_bytes, 1) // BLOCK_ALIGNMENT * BLOCK_ALIGNMENT)
   return num_rows if num_rows <= rows else rows
+
+
+class Array(NamedTuple):
+  """One swept array (the table, then each slot), static.
+
+  Attributes:
+    name: the slot's name ("" for the table).
+    width: words of a logical row (1 for a per-row scalar).
+    shift: log2 of logical rows per stored row (0: stored as rows).
+  """
+
+  name: str
+  width: int
+  shift: int
+
+
+def arrays(table, slots, specs, dim: int, dtype) -> tuple[Array, ...]:
+  """The table and each slot (of `specs`, the optimizer's) as swept arrays."""
+  out = []
+  for name, x, width in [("", table, checks.row_width(table, dim, dtype))] + [
+    (n, slots[n], specs[n].stored_width(dim)) for n in slots
+  ]:
+    out.append(Array(name, width, shift_of(width, x.shape[1])))
+  return tuple(out)
+
+
+def block_shape(a: Array, x, block: int) -> tuple[int, int]:
+  """Array a's block: the stored rows of `block` logical rows, or all of
+  them for a shard of one block."""
+  return (min(block >> a.shift, x.shape[0]), x.shape[1])
+
+
+def check_block(block: int, num_rows: int) -> None:
+  """A block is the whole shard or a multiple of `BLOCK_ALIGNMENT`."""
+  if block != num_rows and (block <= 0 or block % BLOCK_ALIGNMENT):
+    raise ConfigError(
+      f"block_rows={block}: a block is the shard's {num_rows} rows or a positive multiple of "
+      f"{BLOCK_ALIGNMENT}; use block_rows={BLOCK_ALIGNMENT} or None."
+    )
 
 
 def num_visits(num_ids: int, num_blocks: int, chunk: int) -> int:
@@ -197,3 +238,8 @@ def pad_ids(rows: jax.Array, chunk: int, fill: int = -1) -> jax.Array:
   """`rows` padded with `fill` to whole chunks."""
   n = rows.shape[0]
   return jnp.pad(rows, (0, round_up(max(n, 1), chunk) - n), constant_values=fill)
+
+
+def padded_to_blocks(x, rows: int):
+  """`x` with zero rows to whole blocks of `rows` (the interpreter's form)."""
+  return jnp.pad(x, ((0, -x.shape[0] % rows), (0, 0)))

@@ -97,6 +97,13 @@ def _parse(argv):
   p.add_argument(
     "--no_async_all_to_all", action="store_true", help="leave XLA:TPU's all-to-alls synchronous"
   )
+  p.add_argument(
+    "--forms",
+    default="auto",
+    choices=["auto", "block", "xla"],
+    help="the kernels' forms on the TPU (pallas_emb.kernels.forms): the cost model's pick "
+    "(auto), or every table's gather and update in one form; each report says which ran",
+  )
   p.add_argument("--json", default=None, help="write the reports here")
   p.add_argument(
     "--hlo_dir", default=None, help="write each compiled step's HLO text into this directory"
@@ -213,6 +220,14 @@ def main(argv=None) -> int:
   args = _parse(argv if argv is not None else sys.argv[1:])
   env.prepare(async_all_to_all=not args.no_async_all_to_all)
   import pallas_emb as pe  # pylint: disable=g-import-not-at-top
+  from pallas_emb.kernels import forms  # pylint: disable=g-import-not-at-top
+
+  with forms.forcing(args.forms):
+    return _compile_all(args, pe)
+
+
+def _compile_all(args, pe) -> int:
+  """Every case, topology and pipeline of `args`; prints a row each."""
   from pallas_emb.pod_check import compile as compile_lib  # pylint: disable=g-import-not-at-top
 
   cases = list(itertools.product(args.dtype, args.dim, args.optimizer))

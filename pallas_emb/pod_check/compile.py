@@ -29,7 +29,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pallas_emb import packing
+from pallas_emb import packing, shard_kernels
 from pallas_emb.data.base import FeatureInfo
 from pallas_emb.errors import ConfigError
 from pallas_emb.job.model import build_ranking
@@ -286,7 +286,8 @@ def report(
       "rows_per_chip": rps,
       "table_bytes": table_bytes,
       "slot_bytes": slot_bytes,
-      "capacities": dataclasses.asdict(_capacities(emb, spec, workload)),
+      "capacities": dataclasses.asdict(_table(emb, spec, workload).capacities),
+      "forms": shard_kernels.kernel_forms(_table(emb, spec, workload)),
       "copies": hlo.copies_of(text, arrays),
       "prefetches": hlo.copies_of(text, arrays, prefetch=True),
     }
@@ -328,7 +329,8 @@ def report(
   }
 
 
-def _capacities(emb, spec: TableSpec, workload: Workload):
+def _table(emb, spec: TableSpec, workload: Workload):
+  """The `ShardedTable` of physical table `spec` at the workload's batch."""
   bags = {f.name: f.bag_size for f in workload.features}
   tokens = sum(workload.examples_per_chip * bags[f.name] for f in emb.features_of(spec.name))
-  return emb.sharded_table(spec.name, tokens).capacities
+  return emb.sharded_table(spec.name, tokens)

@@ -34,9 +34,14 @@ from pallas_emb.dynamic import VocabState
 from pallas_emb.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from pallas_emb.state import TableState
 from pallas_emb.train.checkpoint_dir import CheckpointDir, StepUnreadable
-from sharding import id_map, id_map_reshard
+from sharding import id_map, id_map_reshard, map_slots
 from sharding.id_map import IdMap
 from sharding.layout import RowLayout
+
+# The checkpoint's maps place slots on rows as `sharding.map_slots` spreads
+# them; checkpoints written before say nothing: their slot j was row j, and
+# on an uneven layout they are re-inserted when restored.
+SPREAD_SLOTS = "spread_map_slots"
 
 
 def _abstract(x) -> jax.ShapeDtypeStruct:
@@ -95,7 +100,12 @@ class VocabCheckpointer:
     """Writes `tables` and `vocabs` as checkpoint `step` (blocking until
     durable); `extra`: JSON-serialisable metadata (e.g. the data position)."""
     self.emb.check_on_mesh((tables, vocabs), "the tables or vocabularies")
-    meta = {**self._meta(), state_lib.PADDED_ROWS: True, "extra": dict(extra or {})}
+    meta = {
+      **self._meta(),
+      state_lib.PADDED_ROWS: True,
+      SPREAD_SLOTS: True,
+      "extra": dict(extra or {}),
+    }
     self.dir.write(step, _item(tables, vocabs), meta)
     return step
 
@@ -148,12 +158,21 @@ class VocabCheckpointer:
       ) from None
     for name in unpadded:
       item["tables"][name] = self._pad(name, item["tables"][name], meta["num_shards"])
-    if meta["num_shards"] != want["num_shards"]:
-      item = self._reshard(item, meta["num_shards"])
+    spread = meta.get(SPREAD_SLOTS, False)
+    if meta["num_shards"] != want["num_shards"] or not (spread or self._even(meta["num_shards"])):
+      item = self._reshard(item, meta["num_shards"], spread)
     return (
       {k: TableState(d["table"], dict(d["slots"]), d["step"]) for k, d in item["tables"].items()},
       {k: VocabState(IdMap(**d["map"]), d["key"]) for k, d in item["vocabs"].items()},
       meta["extra"],
+    )
+
+  def _even(self, num_shards: int) -> bool:
+    """Whether every dynamic table's map slots are its rows in order on
+    `num_shards` shards (an even layout), spread or not."""
+    return all(
+      map_slots.max_gap(self._layouts(name, num_shards)[0]) == 0
+      for name in self.emb.dynamic_tables()
     )
 
   def _unpadded(self, meta: dict) -> list[str]:
@@ -203,15 +222,19 @@ class VocabCheckpointer:
       out["vocabs"][name] = {"map": empty._asdict(), "key": np.zeros(d["key"].shape, np.uint32)}
     return out
 
-  def _reshard(self, item: dict, saved_shards: int) -> dict:
+  def _reshard(self, item: dict, saved_shards: int, spread: bool = True) -> dict:
     """`item` read as written on `saved_shards` shards, rebuilt for this
     mesh: each map re-inserted, each resident row and its slots moved, each
-    static table resharded by its layout."""
+    static table resharded by its layout. `spread`: the saved maps' slots
+    are rows as `sharding.map_slots` spreads them (False: slot j was row j,
+    as written before that)."""
     tables, vocabs = {}, {}
     for name, ts in item["tables"].items():
       old, new = self._layouts(name, saved_shards)
       if name in item["vocabs"]:
-        tables[name], vocabs[name] = self._reinsert(name, ts, item["vocabs"][name], new)
+        tables[name], vocabs[name] = self._reinsert(
+          name, ts, item["vocabs"][name], old, new, spread
+        )
       else:
         spec = self.emb.table_spec(name)
         stored = state_lib.reshard_table(spec, old, new, ts["table"])
@@ -229,26 +252,35 @@ class VocabCheckpointer:
       "step": jax.device_put(np.asarray(step, np.int32), self.emb.sharding(rows=False)),
     }
 
-  def _reinsert(self, name: str, ts: dict, vocab: dict, new: RowLayout):
+  def _reinsert(
+    self, name: str, ts: dict, vocab: dict, old: RowLayout, new: RowLayout, spread: bool
+  ):
     """(table, vocab) of dynamic table `name` for layout `new`: its map
-    re-inserted (`id_map_reshard.reshard`), each kept id's row and slots moved."""
+    re-inserted (`id_map_reshard.reshard`), each kept id's row and slots
+    moved from its slot's row under `old` (spread or not, see `_reshard`)."""
     spec = self.emb.table_spec(name)
     v, rps = spec.vocabulary, new.rows_per_shard
     sketch = id_map.init_map(new.num_shards, rps, v.depth(), v.width_for(rps)).sketch.shape
-    m, source, dropped = id_map_reshard.reshard(
+    m, source_slots, dropped = id_map_reshard.reshard(
       IdMap(**vocab["map"]), new, min(v.probe_limit, rps), sketch
     )
-    moved = np.flatnonzero(source >= 0)
-    self.resharded[name] = {"kept": int(moved.size), "dropped": dropped}
+    kept = np.flatnonzero(source_slots >= 0)
+    self.resharded[name] = {"kept": int(kept.size), "dropped": dropped}
+    # Each kept id's row and slots move from its old slot's row to its new
+    # slot's (`map_slots`: a slot is a row of its shard, spread or not).
+    moved = map_slots.physical_rows(new, kept)
+    source = source_slots[kept]
+    if spread:
+      source = map_slots.physical_rows(old, source)
     # Rows nobody holds are reset when an id takes them: zeros, fresh slots.
     rows = packing.table_rows(np.asarray(ts["table"]), spec.dim, spec.dtype)
     table = np.zeros((new.num_physical_rows, rows.shape[1]), rows.dtype)
-    table[moved] = rows[source[moved]]
+    table[moved] = rows[source]
     specs, slots = spec.optimizer.slot_specs(), {}
     for k, x in ts["slots"].items():
       flat = specs[k].as_rows(np.asarray(x), spec.dim)
       out = np.full((new.num_physical_rows, flat.shape[1]), specs[k].init, flat.dtype)
-      out[moved] = flat[source[moved]]
+      out[moved] = flat[source]
       slots[k] = specs[k].as_stored(out, spec.dim, rps)
     stored = packing.table_stored(table, spec.dim, spec.dtype, rps)
     where = IdMap(*(self.emb.sharding(rows=s == dynamic.ROWS) for s in dynamic.MAP_SPECS))

@@ -17,6 +17,8 @@ from pallas_emb.errors import (
 from pallas_emb.spec import FeatureSpec, TableSpec
 from pallas_emb.validate.inputs import check_ids
 from pallas_emb.validate.state import check_placement, check_state
+from sharding import map_slots
+from sharding.layout import RowLayout
 
 
 def _unique_names(kind: str, names: Sequence[str]) -> None:
@@ -48,6 +50,31 @@ def check_embedding(
       f"axis {axis!r} is not an axis of the mesh, whose axes are "
       f"{mesh.axis_names}; pass one of them as axis=."
     )
+  for t in tables:
+    if t.vocabulary is not None:
+      check_probe_windows(t, RowLayout(t.num_rows, mesh.shape[axis], t.layout))
+
+
+def check_probe_windows(spec: TableSpec, layout: RowLayout) -> None:
+  """Refuses a dynamic table whose probe windows could miss every row of a
+  shard (`sharding.map_slots.max_gap`): an id homed there could never get
+  one, however empty the table."""
+  gap = map_slots.max_gap(layout)
+  probe = min(spec.vocabulary.probe_limit, layout.rows_per_shard)
+  if gap < probe:
+    return
+  empty = [s for s in range(layout.num_shards) if map_slots.used_rows(layout, s) == 0]
+  why = (
+    f"shards {empty} hold none of its rows"
+    if empty
+    else f"up to {gap} consecutive slots of a shard's id map hold no row"
+  )
+  raise SpecError(
+    f"table {spec.name!r}: {spec.num_rows} rows over {layout.num_shards} shards "
+    f"(layout {spec.layout!r}): {why}, and ids whose probe window of {probe} lies there "
+    f"could never get a row. Use layout='mod' (every shard holds rows), num_rows a multiple "
+    f"of {layout.num_shards * 128}, or probe_limit >= {gap + 1}."
+  )
 
 
 def check_context_args(
