@@ -2,10 +2,12 @@
 
 import sys
 
-from pallas_emb.job import cpu_devices
+from pallas_emb.job import cpu_devices, startup
 
 # Before JAX creates its CPU client, i.e. before absl parses flags.
 cpu_devices.request("devices", 8)
+startup.cpu_unless_accelerator()
+startup.quiet_jax_logging()
 
 from pallas_emb.job import supervisor  # noqa: E402
 

@@ -47,8 +47,8 @@ class ShardedEmbedding(DynamicTables):
   """Tables row-sharded over one mesh axis, and the features that read them.
 
   Attributes:
-    tables: the `TableSpec`s (unique names).
-    features: the `FeatureSpec`s (unique names, each naming a table).
+    tables: a `TableSpec` per table (unique names).
+    features: a `FeatureSpec` per feature (unique names, each naming a table).
     mesh: the device mesh. The batch and every table are sharded over `axis`;
       other mesh axes (if any) hold replicas.
     axis: the mesh axis name tables and data are sharded over.

@@ -1,7 +1,7 @@
 """The exception types of pallas_emb.
 
 Every error names the offending value, the limit it broke and the fix. All are
-`PallasEmbError`s, and subclasses of the builtin a caller would catch anyway
+a `PallasEmbError`, and subclasses of the builtin a caller would catch anyway
 (`ValueError` for a bad argument or checkpoint, `RuntimeError` for a call out
 of order, `OSError` for a directory that cannot be written).
 """

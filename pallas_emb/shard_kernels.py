@@ -65,10 +65,18 @@ def rounding_keys(t: ShardedTable, step, rows: jax.Array) -> jax.Array:
   return packing.row_rounding_keys(key, logical - start)
 
 
-def embedding_forms(emb, tokens_per_shard: int) -> dict[str, dict[str, str]]:
+def embedding_forms(emb, batch_shapes) -> dict[str, dict[str, str]]:
   """Physical table of a `ShardedEmbedding` -> {"update": form, "gather":
-  form} (`kernel_forms`) at `tokens_per_shard` ids per data shard."""
-  return {n: kernel_forms(emb.sharded_table(n, tokens_per_shard)) for n in emb.table_names}
+  form} (`kernel_forms`), for a batch of `batch_shapes`: feature ->
+  (global batch, ids per example)."""
+
+  def tokens(name):
+    return sum(
+      batch_shapes[f.name][0] // emb.num_shards * batch_shapes[f.name][1]
+      for f in emb.features_of(name)
+    )
+
+  return {n: kernel_forms(emb.sharded_table(n, tokens(n))) for n in emb.table_names}
 
 
 def kernel_forms(t: ShardedTable) -> dict[str, str]:

@@ -145,7 +145,7 @@ def vocab_keys(raw: Any, vocabulary: DynamicVocabulary, *, pad: Any = -1) -> np.
       object array) are padding. Pass pad=None when every value is an id.
 
   Returns:
-    (*raw.shape, 2) uint32; padding is (0xFFFFFFFF, 0xFFFFFFFF).
+    raw.shape + (2,) uint32; padding is (0xFFFFFFFF, 0xFFFFFFFF).
 
   Raises:
     InputError: ids of an unsupported type, or the one raw id whose key is

@@ -153,8 +153,8 @@ def test_report_rewrites_only_the_readme_results_section():
     "others_cpu_share": 0.01,
   }
   results = {"machine": {"cpu": "AMD EPYC", "cpus": 2, **quiet}, "workloads": [w]}
-  readme = open(os.path.join(REPO, "README.md")).read()
-  new = bench_report.update_readme(readme, results)
+  readme = open(os.path.join(REPO, "docs", "benchmarks.md")).read()
+  new = bench_report.update_page(readme, results)
   row = (
     "| W1: V = 10,000,000, N = 65,536 | 29,096 | 5.0 ms | 1,600 ms | 6.0 ms | 1.5 ms | 0.83 | 320 |"
   )
@@ -205,20 +205,20 @@ def test_report_has_a_row_per_optimizer():
   assert "| lazy_adam | 1.00 | 10.00 |" in text  # its stage profile
 
 
-def test_report_refuses_the_readme_a_busy_run():
-  readme = open(os.path.join(REPO, "README.md")).read()
+def test_report_refuses_the_page_a_busy_run():
+  readme = open(os.path.join(REPO, "docs", "benchmarks.md")).read()
   # 0.5 per core at the start, and the run's own load at the end: quiet.
-  assert bench_report.update_readme(readme, _optimizer_results(1.0))
+  assert bench_report.update_page(readme, _optimizer_results(1.0))
   with pytest.raises(
     bench_report.BusyMachineError, match=r"load average was 1.20 at the start.*\(1.0 on 2 cores\)"
   ):
-    bench_report.update_readme(readme, _optimizer_results(1.2))
+    bench_report.update_page(readme, _optimizer_results(1.2))
   with pytest.raises(bench_report.BusyMachineError, match=r"took 35% of the cores"):
-    bench_report.update_readme(readme, _optimizer_results(0.1, others=0.35))
+    bench_report.update_page(readme, _optimizer_results(0.1, others=0.35))
   no_share = _optimizer_results(0.1)
   del no_share["machine"]["others_cpu_share"]
   with pytest.raises(bench_report.BusyMachineError, match="no share of the cores"):
-    bench_report.update_readme(readme, no_share)
+    bench_report.update_page(readme, no_share)
 
 
 def test_others_cpu_share_leaves_out_this_process():
@@ -252,7 +252,7 @@ def test_dense_is_skipped_with_a_reason_when_it_would_not_fit(monkeypatch):
 
 @pytest.mark.slow
 def test_tpu_check_compares_the_kernels_with_the_xla_path(tmp_path):
-  """`python -m pallas_emb.bench.tpu_check` (run on a TPU for the README's
+  """`python -m pallas_emb.bench.tpu_check` (run on a TPU for the docs'
   figures) on CPU: the interpreted kernels equal the XLA path bit for bit
   on a packed bf16 table rounded stochastically (its per-row scalar slot
   and sub-rows are the kernels' hardest layout)."""

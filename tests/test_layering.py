@@ -23,6 +23,7 @@ SPARSE = (
     "pallas_emb.tokens",
     "pallas_emb.placement",
     "pallas_emb.shard_ops",
+    "pallas_emb.shard_kernels",
     "pallas_emb.programs",
     "pallas_emb.validate",
     "pallas_emb.ids",

@@ -244,12 +244,25 @@ def reports(tmp_path_factory):
 def _assert_block_kernels(r, case):
   """Every physical table updated by one block kernel call (the gather of a
   table sharded over several chips is XLA's: its rows are not one ascending
-  run), and the report says so."""
+  run), the report says so, and no table or slot is copied or staged into
+  VMEM around the kernels (their operands are stated in HBM)."""
   assert r["backend"] == "pallas", case
   assert r["kernels"].get("_block_update_call") == r["physical_tables"], (case, r["kernels"])
   assert sum(r["kernels"].values()) == r["kernel_calls"], (case, r["kernels"])
   for table in r["tables"].values():
     assert table["forms"] == {"update": "block", "gather": "xla"}, (case, table["forms"])
+    assert not table["copies"] and not table["prefetches"], (case, table)
+
+
+def _assert_no_table_copy(name, table):
+  """No table or slot relaid out; on XLA's forms XLA may stage a slot that
+  fits VMEM beside its scatter (a per-row scalar's: 1 MiB for 250k rows),
+  never the table."""
+  assert not table["copies"], (name, table)
+  shard = f"[{table['rows_per_chip']},"
+  assert not [p for p in table["prefetches"] if shard in p], (name, table["prefetches"])
+  if table["forms"]["update"] == "block":
+    assert not table["prefetches"], (name, table["prefetches"])
 
 
 def test_main_job_async_step_compiles_for_v5e_v6e_v5p(reports):
@@ -260,11 +273,6 @@ def test_main_job_async_step_compiles_for_v5e_v6e_v5p(reports):
     # (pallas_emb.stacking): its fused update in the block kernel.
     assert r["physical_tables"] == 1
     _assert_block_kernels(r, r["topology"])
-    # No table or slot of the kernels' tables is relaid out, or staged into
-    # VMEM, every step.
-    for name in r["tables"]:
-      table = r["tables"][name]
-      assert not table["copies"] and not table["prefetches"], (name, table)
 
 
 def test_ftrl_step_compiles_with_every_table_in_the_kernels(reports):
@@ -273,8 +281,6 @@ def test_ftrl_step_compiles_with_every_table_in_the_kernels(reports):
   # are one stack, updated by the block kernel.
   assert r["physical_tables"] == 1, r
   _assert_block_kernels(r, "ftrl")
-  for name, table in r["tables"].items():
-    assert not table["copies"] and not table["prefetches"], (name, table)
 
 
 def test_a_configuration_file_compiles_each_table_as_configured(reports):
@@ -291,16 +297,15 @@ def test_a_configuration_file_compiles_each_table_as_configured(reports):
     "item": (32, "float32", "Adagrad", False),
     "country": (16, "float32", "SGD", False),
   }
-  # The cost model's forms (the default, --forms=auto): at 256 examples per
-  # chip the two large tables' sweeps cost more than XLA's scatter of their
-  # few ids, so every table takes XLA's forms; none of their tables or slots
-  # is copied.
+  # The cost model's forms (the default, --forms=auto): the three tables
+  # are packed (32, 32 and 16 words a row), whose XLA update would copy the
+  # whole table every step, so all three take the block update; none is
+  # copied.
+  forms_ = {n: t["forms"]["update"] for n, t in r["tables"].items()}
+  assert forms_ == {"user": "block", "item": "block", "country": "block"}, forms_
+  assert r["kernels"].get("_block_update_call", 0) == 3, r["kernels"]
   for name, table in r["tables"].items():
-    assert table["forms"] == {"update": "xla", "gather": "xla"}, (name, table["forms"])
-  assert r["kernel_calls"] == 0, r["kernels"]
-  for name in ("user", "item"):
-    table = r["tables"][name]
-    assert not table["copies"] and not table["prefetches"], (name, table)
+    _assert_no_table_copy(name, table)
   # Per-chip temp follows the ids: rows received and gradients sent, here
   # still 128 lanes wide per id (the per-id buffers of narrow rows are not
   # packed yet), plus 16 MiB.
@@ -315,10 +320,10 @@ def test_w_tpu_fits_twice_its_working_set_and_copies_no_table_or_slot(reports):
   working_set = 2 * r["ids_per_chip"] * row_bytes  # rows received + grads sent
   assert r["temp_bytes"] <= 2 * working_set, r["temp_bytes"] / MIB
   item = r["tables"]["item"]
-  assert not item["copies"] and not item["prefetches"], item
   # At 256 examples per chip (5,376 ids) the model picks XLA's scatter over a
   # sweep of the 250k-row shard (the chip measured the crossover between).
   assert item["forms"] == {"update": "xla", "gather": "xla"}, item["forms"]
+  _assert_no_table_copy("item", item)
   # The table update's gradient all-to-all runs while the dense model
   # computes (async collectives, libtpu's async all-to-all on).
   update = [p for p in r["overlap"]["pairs"] if p["program"] == "apply_token_gradients"]
@@ -339,7 +344,6 @@ def _assert_shapes(got):
     [table] = r["tables"].values()
     case = (r["topology"], table["dim"], table["dtype"], table["optimizer"])
     _assert_block_kernels(r, case)
-    assert not table["copies"] and not table["prefetches"], (case, table)
     row_bytes = table["dim"] * (2 if table["dtype"] == "bfloat16" else 4)
     working_set = 2 * r["ids_per_chip"] * row_bytes  # rows received + grads sent
     bound = max(2 * working_set, working_set + 16 * MIB)
@@ -358,8 +362,6 @@ def test_main_job_and_dlrm_run_every_table_in_the_kernels_and_copy_none(reports,
   # Each physical table (a stack of the logical ones) is updated by one
   # block kernel call.
   _assert_block_kernels(r, name)
-  for table_name, table in r["tables"].items():
-    assert not table["copies"] and not table["prefetches"], (table_name, table)
 
 
 def test_optax_rows_moves_its_rows_through_the_kernels_and_no_shard(reports):
@@ -411,11 +413,9 @@ def test_a_dynamic_vocabulary_keeps_the_table_in_the_kernels(reports):
   # The id map only translates raw ids into rows before the static path:
   # the fused update is the static step's block kernel, and neither step
   # relays the table or a slot out.
-  for r in (dynamic, static):
-    _assert_block_kernels(r, r["pipeline"])
-  for r in (dynamic, static):
-    assert not r["tables"]["item"]["copies"], (r["pipeline"], r["tables"]["item"])
-  assert not static["tables"]["item"]["prefetches"]
+  _assert_block_kernels(static, "static")
+  assert dynamic["kernels"] == static["kernels"] == {"_block_update_call": 1}, dynamic["kernels"]
+  assert not dynamic["tables"]["item"]["copies"], dynamic["tables"]["item"]
   # The new rows' reset (an XLA scatter) may stage the 1 MiB accumulator
   # into VMEM, never the table.
   table = f"f32[{dynamic['tables']['item']['rows_per_chip']},128]"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Reruns the benchmark runs whose results the README and docs/benchmarks/
-# show, then rewrites README's results section from them. Run it on a quiet
+# Reruns the benchmark runs whose results docs/benchmarks.md and docs/benchmarks/
+# show, then rewrites the page's results section from them. Run it on a quiet
 # machine (nothing else running: the methods share the cores and the memory
 # bandwidth), from the repository root, with `pip install ".[bench]"` done.
 #
@@ -9,7 +9,7 @@
 #
 # It stops at once on a busy machine (1-minute load average over 0.5 per
 # core) or without a working native library, and `pallas_emb.bench.report`
-# refuses to write the README from a run during which other processes took
+# refuses to write the page from a run during which other processes took
 # more than 10% of the cores.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -38,7 +38,7 @@ echo "+ W1/W2 (the issue's command), $(date -u +%FT%TZ), load: $(cut -d' ' -f1-3
 python -m pallas_emb.bench --vocab 1000000,10000000 --steps 20 \
   --optimizers sgd,adagrad,rowwise_adagrad,lazy_adam,ftrl \
   --json "$out/w1w2.json" --plot "$out/w1w2.png"
-python -m pallas_emb.bench.report "$out/w1w2.json" --readme README.md
+python -m pallas_emb.bench.report "$out/w1w2.json" --page docs/benchmarks.md
 
 if [[ "${1:-}" != "--no-sweep" ]]; then
   echo "+ sweep over V and N, $(date -u +%FT%TZ), load: $(cut -d' ' -f1-3 /proc/loadavg)"

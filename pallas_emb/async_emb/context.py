@@ -100,7 +100,7 @@ class AsyncEmbContextHandle:
   @property
   def identity(self) -> str:
     """Which table, optimizer and mesh this context updates: the owner
-    recorded in its `AsyncEmbGradientUpdate`s."""
+    recorded in each `AsyncEmbGradientUpdate` it makes."""
     t = self.sharded_table
     return (
       f"table {t.name!r} ({t.spec.num_rows}x{t.spec.dim} "

@@ -32,16 +32,19 @@ over --steps steps after --warmup; a benchmark is a program, not a test.
 --optimizers adds, on V = --optimizer_vocab and the first N, every listed
 optimizer's fused step against FBGEMM's nearest (`pallas_emb.bench.optimizers`).
 The run records the load average and the copy bandwidth at its start and end;
-`pallas_emb.bench.report` refuses to put a busy run's figures in the README.
+`pallas_emb.bench.report` refuses to put a busy run's figures in the docs.
 """
 
 import os
 
-from pallas_emb.job import cpu_devices
+from pallas_emb.job import cpu_devices, startup
 
 # Simulated devices for the pipeline comparison (the update methods use
-# one), asked for before JAX creates its CPU client.
+# one), asked for before JAX creates its CPU client; no TPU probe on a
+# machine without one (libtpu's errors), no JAX INFO lines.
 cpu_devices.request("pipeline_devices", 8)
+startup.cpu_unless_accelerator()
+startup.quiet_jax_logging()
 # torch's OpenMP threads spin after each FBGEMM call and would steal the
 # cores from the method timed next; sleeping threads keep the interleaving
 # fair (measured: fused 14.1 -> 12.2 ms, fbgemm 4.9 -> 4.2 ms on W1). Set

@@ -1,9 +1,10 @@
-"""README's benchmark section, written from a benchmark run's JSON.
+"""The benchmarks page's CPU section, and README's results table, written
+from the benchmark runs' JSON.
 
-    python -m pallas_emb.bench.report docs/benchmarks/w1w2.json --readme README.md
+    python -m pallas_emb.bench.report docs/benchmarks/w1w2.json --page docs/benchmarks.md
 
 Replaces what stands between the markers `<!-- bench:results -->` and
-`<!-- /bench:results -->` in the README with the run's table (one row per
+`<!-- /bench:results -->` in the page with the run's table (one row per
 workload), the ratios the issue tracks (fused / FBGEMM, dense / fused),
 the per-stage profile of the first workload's fused step and, when the run
 compared optimizers (`--optimizers`), a row per optimizer against FBGEMM's
@@ -11,7 +12,7 @@ nearest with its stage profile. Numbers are never typed by hand:
 `docs/benchmarks/regenerate.sh` runs the benchmark and this.
 
 A busy machine's times are not results (other processes take the cores and
-the memory bandwidth, and not evenly from each method): the README is only
+the memory bandwidth, and not evenly from each method): the page is only
 rewritten from a run that started at a 1-minute load average of at most
 `MAX_LOAD_PER_CORE` per core and during which other processes took at most
 `MAX_OTHERS_CPU_SHARE` of the cores (the load average at the end counts the
@@ -67,7 +68,7 @@ def _load(machine: dict) -> str:
 
 
 def busy(machine: dict) -> str:
-  """Why a run's times may not go in the README ("" if they may)."""
+  """Why a run's times may not go in the docs ("" if they may)."""
   cores = machine.get("cpus") or 1
   limit = MAX_LOAD_PER_CORE * cores
   start, others = machine.get("load_avg_at_start"), machine.get("others_cpu_share")
@@ -180,41 +181,70 @@ class BusyMachineError(ValueError):
   """A run's times come from a busy machine (see `busy`)."""
 
 
-def update_readme(readme: str, results: dict) -> str:
-  """`readme` with the text between the markers replaced by `render`.
+def update_page(page: str, results: dict) -> str:
+  """`page` with the text between the markers replaced by `render`.
 
   Raises:
     BusyMachineError: the run was on a busy machine (`busy` says why).
   """
   why = busy(results["machine"])
   if why:
-    raise BusyMachineError(f"not writing the README's benchmark figures: {why}.")
+    raise BusyMachineError(f"not writing the benchmark figures: {why}.")
   pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
-  if not pattern.search(readme):
+  if not pattern.search(page):
     raise ValueError(
-      f"the README has no {BEGIN} ... {END} section; add the two markers where the results go."
+      f"the page has no {BEGIN} ... {END} section; add the two markers where the results go."
     )
-  return pattern.sub(lambda _: f"{BEGIN}\n{render(results)}\n{END}", readme)
+  return pattern.sub(lambda _: f"{BEGIN}\n{render(results)}\n{END}", page)
+
+
+def summary_table(chip: dict, cpu: dict) -> str:
+  """README's results table: W-TPU's step on one TPU chip (the grid of
+  `bench.tpu_grid`, from `docs/benchmarks/forms_v5e.json`) and the W1 and W2
+  updates on CPU (`bench`, from `docs/benchmarks/w1w2.json`), each beside
+  the XLA path and the nearest peer, with their ratio."""
+  rows = [
+    "| where | step | this library | XLA path | peer | ratio to XLA | ratio to peer |",
+    "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+  ]
+  for r in chip["calls"]["3_grid"]["grid"]:
+    if not r["case"].endswith("-1M-b4096"):
+      continue
+    ms = r["median_ms"]
+    rows.append(
+      f"| TPU v5e chip | {r['case'].replace('-1M-b4096', '')}, 1M rows, 86,016 ids | "
+      f"{ms['default']:.2f} ms | {ms['xla']:.2f} ms | {ms['plain']:.2f} ms (plain JAX) | "
+      f"{ms['default'] / ms['xla']:.2f} | {ms['default'] / ms['plain']:.2f} |"
+    )
+  for i, w in enumerate(cpu["workloads"]):
+    med = {m: w["methods"][m]["median_ms"] for m in w["methods"]}
+    rows.append(
+      f"| CPU, {cpu['machine']['cpus']} cores | W{i + 1} update, V = {w['vocab']:,}, "
+      f"N = {w['ids']:,} | {_ms(med['fused'])} | {_ms(med['fused_xla'])} | "
+      f"{_ms(med['fbgemm'])} (FBGEMM) | {med['fused'] / med['fused_xla']:.2f} | "
+      f"{med['fused'] / med['fbgemm']:.2f} |"
+    )
+  return "\n".join(rows)
 
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("json", help="a `python -m pallas_emb.bench` result")
   parser.add_argument(
-    "--readme", help="rewrite this README's results section (default: print the section)"
+    "--page", help="rewrite this page's results section (default: print the section)"
   )
   args = parser.parse_args(argv)
   with open(args.json) as f:
     results = json.load(f)
-  if not args.readme:
+  if not args.page:
     print(render(results))
     return
-  with open(args.readme) as f:
+  with open(args.page) as f:
     try:
-      text = update_readme(f.read(), results)
+      text = update_page(f.read(), results)
     except BusyMachineError as e:
       raise SystemExit(str(e)) from None
-  with open(args.readme, "w") as f:
+  with open(args.page, "w") as f:
     f.write(text)
 
 

@@ -211,3 +211,54 @@ def _chosen_forms(emb, case: GridCase) -> dict[str, str]:
       emb.backend, state.table, caps.route, dim=spec.dim, dtype=spec.dtype, ascending=True
     ),
   }
+
+
+def table(grid: list[dict]) -> str:
+  """The grid's results as a Markdown table: each form's median step, the
+  default over XLA and over plain JAX, and the floor."""
+  rows = [
+    "| case | unique ids | forms (update, gather) | default | XLA path | plain JAX | default / XLA "
+    "| default / plain | HBM floor |",
+    "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+  ]
+  for r in grid:
+    if "error" in r:
+      rows.append(f"| {r['case']} | | error: {r['error'][:80]} | | | | | | |")
+      continue
+    ms = r["median_ms"]
+    forms_ = f"{r['forms']['update']}, {r['forms']['gather']}"
+    floor = f"{r['floor_ms']:.3f} ms" if r.get("floor_ms") is not None else ""
+    rows.append(
+      f"| {r['case']} | {r['unique']:,} | {forms_} | {ms['default']:.2f} ms | {ms['xla']:.2f} ms "
+      f"| {ms['plain']:.2f} ms | {r['default_over_xla']:.2f} | {r['default_over_plain']:.2f} "
+      f"| {floor} |"
+    )
+  return "\n".join(rows)
+
+
+def plot(grid: list[dict], path: str) -> None:
+  """Each case's step in every form measured, beside its HBM floor (log
+  scale), as a bar chart."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  grid = [r for r in grid if "error" not in r]
+  forms_ = ["default", "xla", "block", "plain"]
+  fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(grid)), 4.5))
+  width = 0.8 / (len(forms_) + 1)
+  for i, form in enumerate(forms_ + ["floor"]):
+    xs = [k + (i - len(forms_) / 2) * width for k in range(len(grid))]
+    ys = [r["floor_ms"] if form == "floor" else r["median_ms"].get(form) for r in grid]
+    pts = [(x, y) for x, y in zip(xs, ys) if y]
+    if pts:
+      ax.bar(*zip(*pts), width=width, label=form if form != "floor" else "HBM floor")
+  ax.set_yscale("log")
+  ax.set_ylabel("step (ms, median)")
+  ax.set_xticks(range(len(grid)))
+  ax.set_xticklabels([r["case"] for r in grid], rotation=20, ha="right", fontsize=8)
+  ax.legend(fontsize=8)
+  ax.set_title("One table's step on one TPU v5e chip, forms side by side")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)

@@ -9,7 +9,7 @@ from pallas_emb.job import evaluation
 from pallas_emb.job.build import Job
 from pallas_emb.job.distributed import log
 from pallas_emb.job.flags import FLAGS
-from pallas_emb.job.run_log import RunLog
+from pallas_emb.job.run_log import WARMUP_STEPS, RunLog
 from pallas_emb.train.best_eval import BestEval
 
 
@@ -35,8 +35,9 @@ class Trained(NamedTuple):
 
 def evaluate_at(job: Job, loop: Loop, state, done: int, history: list):
   """Flushes, evaluates, records; keeps the best step's checkpoint."""
-  state, _ = job.trainer.flush(state)
-  ev = evaluation.evaluate(job.trainer, state, job.feeder, FLAGS.eval_batches)
+  with loop.log.phase("evaluation"):
+    state, _ = job.trainer.flush(state)
+    ev = evaluation.evaluate(job.trainer, state, job.feeder, FLAGS.eval_batches)
   history.append({"step": done, **ev})
   loop.log.eval(done, ev)
   improved = loop.best.add(done, ev)
@@ -45,7 +46,8 @@ def evaluate_at(job: Job, loop: Loop, state, done: int, history: list):
     + ("  (best)" if improved else f"  (best: step {loop.best.step})")
   )
   if improved and loop.best_ckpt is not None:
-    loop.best_ckpt.save(state, job.batch_shapes, {"data_position": done, "eval": ev})
+    with loop.log.phase("checkpoints"):
+      loop.best_ckpt.save(state, job.batch_shapes, {"data_position": done, "eval": ev})
   return state
 
 
@@ -66,7 +68,7 @@ def train(job: Job, loop: Loop, start: int, data_state: dict | None) -> Trained:
     if t == start:
       initial_loss = loss
     done = t + 1
-    run_log.add(done, m, time.perf_counter() - tic, timed=t > start)
+    run_log.add(done, m, time.perf_counter() - tic, warmup=t - start < WARMUP_STEPS)
     batch = next_batch
     if done % FLAGS.log_every == 0 or done == job.steps:
       norms = " ".join(f"{k}={float(v['grad_norm']):.3g}" for k, v in m["emb"].items())
@@ -76,16 +78,8 @@ def train(job: Job, loop: Loop, start: int, data_state: dict | None) -> Trained:
     last = done == job.steps or loop.best.should_stop
     periodic = FLAGS.checkpoint_every and done % FLAGS.checkpoint_every == 0
     if loop.ckpt is not None and (periodic or (last and done > start)):
-      loop.ckpt.save(
-        state,
-        job.batch_shapes,
-        {
-          "data_position": done,
-          "data_iterator": batches.get_state(),
-          "counters": dict(run_log.counters),
-          "best": loop.best.state(),
-        },
-      )
+      with run_log.phase("checkpoints"):
+        _save(loop, state, job, done, batches, run_log)
     if loop.best.should_stop:
       log(
         f"early stop at step {done}: {loop.best.since_best} evaluations without a lower "
@@ -93,3 +87,17 @@ def train(job: Job, loop: Loop, start: int, data_state: dict | None) -> Trained:
       )
       break
   return Trained(state, loss, initial_loss, history, done)
+
+
+def _save(loop: Loop, state, job: Job, done: int, batches, run_log) -> None:
+  """The latest checkpoint, with where the data and the counters stand."""
+  loop.ckpt.save(
+    state,
+    job.batch_shapes,
+    {
+      "data_position": done,
+      "data_iterator": batches.get_state(),
+      "counters": dict(run_log.counters),
+      "best": loop.best.state(),
+    },
+  )

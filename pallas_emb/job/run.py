@@ -28,6 +28,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from pallas_emb import shard_kernels
 from pallas_emb.data.base import DataError
 from pallas_emb.errors import PallasEmbError
 from pallas_emb.job import distributed, evaluation, host_memory
@@ -39,6 +40,9 @@ from pallas_emb.job.run_log import RunLog
 from pallas_emb.train.best_eval import BestEval
 from pallas_emb.train.checkpoint import Checkpointer
 from pallas_emb.train.checkpoint_dir import check_writable
+
+# When the job's process started: its startup phase ends where training begins.
+_STARTED = time.perf_counter()
 
 
 def _process_settings() -> None:
@@ -120,22 +124,30 @@ def run(argv=()) -> dict:
   loop = Loop(
     RunLog(job.steps, FLAGS.batch_size, counters, FLAGS.tensorboard_dir), best, ckpt, best_ckpt
   )
+  loop.log.add_phase("startup", time.perf_counter() - _STARTED)
   trained = _train_watched(job, loop, start, data_state)
-  state, _ = job.trainer.flush(trained.state)  # the last gradient reaches the tables
   done = trained.steps
-  ev = evaluation.evaluate(job.trainer, state, job.feeder, FLAGS.eval_batches)
+  with loop.log.phase("evaluation"):
+    state, _ = job.trainer.flush(trained.state)  # the last gradient reaches the tables
+    ev = evaluation.evaluate(job.trainer, state, job.feeder, FLAGS.eval_batches)
   loop.log.eval(done, ev)
   if best.add(done, ev) and best_ckpt is not None and done > start:
-    best_ckpt.save(state, job.batch_shapes, {"data_position": done, "eval": ev})
+    with loop.log.phase("checkpoints"):
+      best_ckpt.save(state, job.batch_shapes, {"data_position": done, "eval": ev})
   loop.log.close()
   log(
     f"final: step {done}  train loss {trained.loss:.4f}  eval auc {ev['auc']:.4f}  "
     f"logloss {ev['logloss']:.4f}  ({ev['examples']} eval examples); best: step {best.step}  "
     f"auc {best.metrics['auc']:.4f}  logloss {best.metrics['logloss']:.4f}"
   )
-  baselines = evaluation.baselines_of(job.dataset, FLAGS.baselines)
+  with loop.log.phase("baselines"):
+    baselines = evaluation.baselines_of(job.dataset, FLAGS.baselines)
   for b in baselines:
     log(f"baseline {b['model']}: auc {b['auc']:.4f}  logloss {b['logloss']:.4f}")
+  log(
+    f"steady state {loop.log.rate or float('nan'):.0f} ex/s, cumulative "
+    f"{loop.log.cumulative_rate:.0f} ex/s; {loop.log.phases_line()}"
+  )
   report = _report(job, loop, trained, ev, baselines, mesh)
   _write_outputs(job.emb, state, report)
   return report
@@ -164,6 +176,11 @@ def _report(job: Job, loop: Loop, trained, ev: dict, baselines, mesh) -> dict:
     "best_eval": best.metrics,
     "baselines": baselines,
     "examples_per_sec": loop.log.rate,
+    "cumulative_examples_per_sec": loop.log.cumulative_rate,
+    "phases_seconds": loop.log.phases,
+    # Which form (kernels.forms) runs each physical table's update and
+    # owners' gather at this batch.
+    "kernel_forms": shard_kernels.embedding_forms(job.emb, job.batch_shapes),
     "emb_updates_skipped": counters["skipped"],
     "invalid_ids": counters["invalid"],
     "overflow_ids": counters["overflow"],

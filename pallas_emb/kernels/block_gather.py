@@ -163,6 +163,8 @@ def _block_gather_call(
   rows = min(block >> shift, table.shape[0])
   if interpret:  # see block_update._block_update_call
     table = blocks.padded_to_blocks(table, rows)
+  else:  # in HBM, stated (see block_update._block_update_call)
+    table = pltpu.with_memory_space_constraint(table, pltpu.HBM)
   kernel = functools.partial(
     _gather_kernel, dtype=dtype, dim=dim, width=width, shift=shift, block=block
   )

@@ -339,7 +339,11 @@ def _block_update_call(
   """The pallas_call: the table and slots aliased in place."""
   everything = (table, *slots)
   sizes = [x.shape[0] for x in everything]
-  if interpret:
+  if not interpret:
+    # In HBM, stated: else XLA may stage a small enough table or slot in
+    # VMEM around the call, copying all of it every step.
+    everything = tuple(pltpu.with_memory_space_constraint(x, pltpu.HBM) for x in everything)
+  else:
     # A TPU masks the last, partial block's writes; Pallas' TPU interpreter
     # returns aliased outputs padded to whole blocks, so it is handed whole
     # blocks (rows past the shard are never ids: the same result).

@@ -19,8 +19,10 @@ docs/benchmarks/forms_v5e.json): there it picks the block update for 1M-row
 shards at W-TPU's batch (the step at 0.74x the XLA path's at float32
 D=128), and XLA's for 100k rows (where the block form's per-id work costs
 more than XLA's scatter into a small table) and 4M rows (where the sweep
-does). The block gather, measured, never beat XLA's gather at these
-shapes, so the lookup takes XLA's. On other TPU generations the same
+does). A packed table's XLA update copies the whole table and its slots
+(temp that follows the table, not the ids), which the model charges: such
+tables take the block update. The block gather, measured, never beat XLA's
+gather at these shapes, so the lookup takes XLA's. On other TPU generations the same
 constants are used; their choice there is unmeasured.
 
 `PALLAS_EMB_FORMS` ("block" or "xla") forces one form for a whole process,
@@ -122,6 +124,12 @@ def update_costs(
   work = num_ids * (BLOCK_UPDATE_PACKED_SLOT_S if packed else BLOCK_UPDATE_SLOT_S)
   slot = XLA_UPDATE_PACKED_SLOT_S if packed else XLA_UPDATE_SLOT_S
   xla = num_ids * (slot + XLA_UPDATE_GROWTH_S * _growth(sum(array_bytes)))
+  if packed:
+    # XLA's scatter into a packed table or slot copies all of it (a table's
+    # worth of temp per step: 252 MiB per v5e chip for the example
+    # configuration's 1M-row tables at 256 examples per chip), read and
+    # written: never cheaper than a sweep.
+    xla += 2 * sum(array_bytes) / SWEEP_BYTES_PER_S
   return {"block": _overlapped(2 * swept / SWEEP_BYTES_PER_S, work), "xla": xla}
 
 

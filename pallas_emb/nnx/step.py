@@ -3,7 +3,7 @@
     loss, aux = dense(acts, batch)             # the dense module's __call__
     metrics = train_step(embed, dense, optimizer, batch, next_batch)
 
-`nnx.value_and_grad` differentiates the dense module's `nnx.Param`s and the
+`nnx.value_and_grad` differentiates the dense module's `nnx.Param` leaves and the
 looked-up embeddings; `optimizer` (an `nnx.Optimizer` over the dense module
 only) updates the former, `Embed` applies the latter with the sparse (fused)
 update. The order of the calls is the functional `Trainer`'s, pipeline by
