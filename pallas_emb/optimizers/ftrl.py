@@ -63,7 +63,7 @@ class FTRL(base.EmbeddingOptimizer, FusedAsyncEmbUpdate):
       a schedule of the step.
     learning_rate_power: k <= 0; the per-coordinate rate is
       lr / n**(-k) (-0.5: lr / sqrt(n); 0: a constant rate).
-    l1: >= 0, L1 regularization strength (sparsifies: |z| <= l1 gives w = 0).
+    l1: >= 0, L1 regularization strength (sparsifies: abs(z) <= l1 gives w = 0).
     l2: >= 0, L2 regularization strength.
     beta: >= 0, added to n**(-k) in the denominator (the paper's beta).
     initial_accumulator_value: >= 0, initial n (TF requires > 0; 0 is
