@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_emb import packing
-from pallas_emb.kernels import blocks, checks
+from pallas_emb.kernels import blocks, checks, vmem_rows
 from pallas_emb.kernels import chip as chip_lib
 
 LANES = packing.LANES
@@ -58,25 +58,17 @@ def _gather_kernel(
   """One visit; see the module docstring."""
   chunk = out_ref.shape[0]
   i, last = pl.program_id(0), pl.num_programs(0) - 1
-  b, k, lo, hi = block_ref[i], chunk_ref[i], lo_ref[i], hi_ref[i]
+  k, lo, hi = chunk_ref[i], lo_ref[i], hi_ref[i]
+  array = blocks.Array("", width, shift)
+  visit = vmem_rows.Visit(
+    (array,), rows_ref, (table_ref,), (tile,), block_ref[i] * block, k * chunk
+  )
 
   @pl.when((i == 0) | (chunk_ref[jnp.maximum(i - 1, 0)] != k))
   def _():
     tile[...] = jnp.zeros(tile.shape, tile.dtype)
 
-  def load(j):
-    r = rows_ref[j]
-    x = lax.bitcast_convert_type(
-      table_ref[pl.ds((r >> shift) - ((b * block) >> shift), 1), :], jnp.int32
-    )
-    if shift:
-      x = pltpu.roll(x, (LANES - (r & ((1 << shift) - 1)) * width) % LANES, 1)
-    return x
-
-  def store(j, x):
-    tile[pl.ds(j - k * chunk, 1), :] = x
-
-  blocks.for_each_id(lo, hi, blocks.load_then_store(load, store))
+  blocks.for_each_id(lo, hi, blocks.load_then_store(visit.read, visit.to_tile))
 
   @pl.when((i == last) | (chunk_ref[jnp.minimum(i + 1, last)] != k))
   def _():

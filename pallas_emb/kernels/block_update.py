@@ -46,7 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_emb import packing
-from pallas_emb.kernels import blocks, checks
+from pallas_emb.kernels import blocks, checks, vmem_rows
 from pallas_emb.kernels import chip as chip_lib
 from pallas_emb.kernels.protocol import RowUpdate
 from pallas_emb.kernels.xla import update_stored_rows
@@ -56,8 +56,35 @@ DEFAULT_CHUNK = 512
 DEFAULT_BLOCK_BYTES = 1 << 20
 
 
-def _bits(x):
-  return lax.bitcast_convert_type(x, jnp.int32)
+def _copy_block_in(ins, outs, sems) -> None:
+  """The fetched blocks into the output blocks, one VMEM-to-VMEM DMA each:
+  the output starts as the table (the blocks are aliased in place)."""
+  copies = [
+    pltpu.make_async_copy(src, dst, sems.at[a]) for a, (src, dst) in enumerate(zip(ins, outs))
+  ]
+  for c in copies:
+    c.start()
+  for c in copies:
+    c.wait()
+
+
+def _update_group(v: vmem_rows.Visit, m, grads_ref, keys_ref, scalars, *, optimizer, dtype) -> None:
+  """`update_rows` on the tiles' 8-row group m, in place (the chunk's ids
+  there; rows of other visits are recomputed and never written back)."""
+  at = pl.ds(pl.multiple_of(m * 8, 8), 8)
+  table, *slot_arrays = v.arrays
+  words = lax.bitcast_convert_type(v.tiles[0][at, pl.ds(0, table.width)], v.outs[0].dtype)
+  slots = {
+    a.name: lax.bitcast_convert_type(tile[at, pl.ds(0, a.width)], out.dtype)
+    for a, out, tile in zip(slot_arrays, v.outs[1:], v.tiles[1:])
+  }
+  noise = None if keys_ref is None else packing.rounding_noise(keys_ref[at, :], grads_ref.shape[1])
+  words, slots = update_stored_rows(
+    words, slots, grads_ref[at, :], scalars, optimizer=optimizer, dtype=dtype, noise=noise
+  )
+  v.tiles[0][at, pl.ds(0, table.width)] = vmem_rows.bits(words)
+  for a, tile in zip(slot_arrays, v.tiles[1:]):
+    tile[at, pl.ds(0, a.width)] = vmem_rows.bits(slots[a.name])
 
 
 def _update_kernel(
@@ -82,110 +109,29 @@ def _update_kernel(
   keys_ref, refs = (refs[0], refs[1:]) if stochastic else (None, refs)
   n = len(arrays)
   ins, outs, tiles, sems = refs[:n], refs[n : 2 * n], refs[2 * n : 3 * n], refs[3 * n]
-  chunk = grads_ref.shape[0]
   i = pl.program_id(0)
-  b, lo, hi = block_ref[i], lo_ref[i], hi_ref[i]
-  first_id = chunk_ref[i] * chunk
-  base = b * block
+  lo, hi = lo_ref[i], hi_ref[i]
+  visit = vmem_rows.Visit(
+    arrays, rows_ref, outs, tiles, block_ref[i] * block, chunk_ref[i] * grads_ref.shape[0]
+  )
+  scalars = scalars_type(*(scalars_ref[k] for k in range(len(scalars_type._fields))))
 
-  @pl.when((i == 0) | (block_ref[jnp.maximum(i - 1, 0)] != b))
+  @pl.when((i == 0) | (block_ref[jnp.maximum(i - 1, 0)] != block_ref[i]))
   def _():
-    copies = [
-      pltpu.make_async_copy(src, dst, sems.at[a]) for a, (src, dst) in enumerate(zip(ins, outs))
-    ]
-    for c in copies:
-      c.start()
-    for c in copies:
-      c.wait()
-
-  lane = lax.broadcasted_iota(jnp.int32, (1, LANES), 1)
-
-  def place(a: blocks.Array, r):
-    """(stored row in the block, lane offset) of local row r in array a."""
-    return (r >> a.shift) - (base >> a.shift), (r & ((1 << a.shift) - 1)) * a.width
-
-  def read(j):
-    r = rows_ref[j]
-    out = []
-    for a, ref in zip(arrays, outs):
-      phys, off = place(a, r)
-      x = _bits(ref[pl.ds(phys, 1), :])
-      out.append(pltpu.roll(x, (LANES - off) % LANES, 1) if a.shift else x)
-    return out
-
-  def to_tile(j, xs):
-    for tile, x in zip(tiles, xs):
-      tile[pl.ds(j - first_id, 1), :] = x
+    _copy_block_in(ins, outs, sems)
 
   def update(m, carry):
-    at = pl.ds(pl.multiple_of(m * 8, 8), 8)
-    words = lax.bitcast_convert_type(tiles[0][at, pl.ds(0, arrays[0].width)], outs[0].dtype)
-    slots = {
-      a.name: lax.bitcast_convert_type(tile[at, pl.ds(0, a.width)], out.dtype)
-      for a, out, tile in zip(arrays[1:], outs[1:], tiles[1:])
-    }
-    scalars = scalars_type(*(scalars_ref[k] for k in range(len(scalars_type._fields))))
-    noise = None
-    if stochastic:
-      noise = packing.rounding_noise(keys_ref[at, :], grads_ref.shape[1])
-    words, slots = update_stored_rows(
-      words, slots, grads_ref[at, :], scalars, optimizer=optimizer, dtype=dtype, noise=noise
-    )
-    tiles[0][at, pl.ds(0, arrays[0].width)] = _bits(words)
-    for a, tile in zip(arrays[1:], tiles[1:]):
-      tile[at, pl.ds(0, a.width)] = _bits(slots[a.name])
+    _update_group(visit, m, grads_ref, keys_ref, scalars, optimizer=optimizer, dtype=dtype)
     return carry
-
-  wide = [k for k, a in enumerate(arrays) if not a.shift]
-  packed = [k for k, a in enumerate(arrays) if a.shift]
-
-  def write_wide(j, xs):
-    r = rows_ref[j]
-    for k, x in zip(wide, xs):
-      phys, _ = place(arrays[k], r)
-      outs[k][pl.ds(phys, 1), :] = lax.bitcast_convert_type(x, outs[k].dtype)
-
-  def merge_packed(ids):
-    """Each id's new sub-row merged into its physical row, a batch at once:
-    every id's row is read before any is written, and ids of one physical
-    row (consecutive, ids ascending) fold into the same merged row in
-    registers; each id then writes the row merged so far, so the run's last
-    write holds the whole run (its earlier ones are superseded)."""
-    rs = [rows_ref[j] for j in ids]
-    for k in packed:
-      a, out = arrays[k], outs[k]
-      places = [place(a, r) for r in rs]
-      old = [_bits(out[pl.ds(phys, 1), :]) for phys, _ in places]
-      new = [
-        pltpu.roll(tiles[k][pl.ds(j - first_id, 1), :], off, 1) for j, (_, off) in zip(ids, places)
-      ]
-      merged = []
-      for u, (phys, off) in enumerate(places):
-        base = old[u] if u == 0 else jnp.where(phys == places[u - 1][0], merged[-1], old[u])
-        merged.append(jnp.where((lane >= off) & (lane < off + a.width), new[u], base))
-      for (phys, _), row in zip(places, merged):
-        out[pl.ds(phys, 1), :] = lax.bitcast_convert_type(row, out.dtype)
-
-  from_tile = lambda j: [tiles[k][pl.ds(j - first_id, 1), :] for k in wide]
-  scatter_wide = blocks.load_then_store(from_tile, write_wide)
-
-  def scatter(j):
-    scatter_wide(j)
-    merge_packed([j])
-
-  def scatter_many(ids):
-    scatter_wide.many(ids)
-    merge_packed(ids)
-
-  scatter.many = scatter_many
 
   @pl.when(lo < hi)
   def _():
-    blocks.for_each_id(lo, hi, blocks.load_then_store(read, to_tile))
+    blocks.for_each_id(lo, hi, blocks.load_then_store(visit.read, visit.to_tile))
     # Shifts, not //: the ids' offsets are not negative, and Mosaic lowers a
     # signed // with a sign correction.
-    lax.fori_loop((lo - first_id) >> 3, ((hi - 1 - first_id) >> 3) + 1, update, 0)
-    blocks.for_each_id(lo, hi, scatter)
+    first, last = lo - visit.first_id, hi - 1 - visit.first_id
+    lax.fori_loop(first >> 3, (last >> 3) + 1, update, 0)
+    blocks.for_each_id(lo, hi, visit.scatter())
 
 
 def vmem_bytes(arrays, operands, *, dim: int, block: int, chunk: int, stochastic: bool) -> int:
@@ -236,7 +182,12 @@ def fused_update(
 
   Returns:
     (table, slots) with only the listed rows changed; donate them to the
-    enclosing jit for the update to happen in place.
+    enclosing jit for the update to happen in place. On a TPU the table
+    and slots are constrained to HBM (else XLA may stage a small one in
+    VMEM around the call, a copy every step); XLA then refuses to alias
+    the kernel's outputs with a donated jit parameter passed straight in
+    (a RET_CHECK on aliasing shapes), which the library's programs, whose
+    tables reach the kernel through their own jitted calls, do not do.
 
   Raises:
     InputError: arrays of the wrong shape or dtype.
