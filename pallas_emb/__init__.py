@@ -50,6 +50,7 @@ _EXPORTS = {
       "MeshMismatchError",
       "PallasEmbError",
       "PlacementError",
+      "ServingArtifactError",
       "SpecError",
       "UpdateMismatchError",
       "VmemBudgetError",
@@ -70,7 +71,10 @@ _EXPORTS = {
     ],
     "pallas_emb.optimizers",
   ),
-  **dict.fromkeys(["expected_collision_fraction", "hash64", "hash_ids"], "pallas_emb.hashing"),
+  **dict.fromkeys(
+    ["HashRule", "expected_collision_fraction", "hash64", "hash_ids"], "pallas_emb.hashing"
+  ),
+  **dict.fromkeys(["ServingModel", "export_serving", "load_serving"], "pallas_emb.serving"),
   "int32_ids": "pallas_emb.ids",
   **dict.fromkeys(["DynamicVocabulary", "vocab_keys", "raw_ids"], "pallas_emb.vocabulary"),
   **dict.fromkeys(["VocabMetrics", "VocabState"], "pallas_emb.dynamic"),
@@ -129,11 +133,12 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
     MeshMismatchError,
     PallasEmbError,
     PlacementError,
+    ServingArtifactError,
     SpecError,
     UpdateMismatchError,
     VmemBudgetError,
   )
-  from pallas_emb.hashing import expected_collision_fraction, hash64, hash_ids
+  from pallas_emb.hashing import HashRule, expected_collision_fraction, hash64, hash_ids
   from pallas_emb.ids import int32_ids
   from pallas_emb.inputs import Ragged, Weighted, ragged, ragged_from_csr
   from pallas_emb.optimizers import (
@@ -147,6 +152,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
     RowWiseAdagrad,
     SlotSpec,
   )
+  from pallas_emb.serving import ServingModel, export_serving, load_serving
   from pallas_emb.spec import FeatureSpec, TableSpec, default_initializer
   from pallas_emb.state import TableMetrics, TableResiduals, TableState
   from pallas_emb.train import TrainConfig, Trainer, TrainState, make_trainer, validate_config

@@ -72,6 +72,11 @@ class CheckpointCorruptError(CheckpointError):
   """No checkpoint step (or not the one asked for) reads back intact."""
 
 
+class ServingArtifactError(CheckpointError):
+  """A serving artifact (`pallas_emb.export_serving`'s directory) with a
+  missing, unreadable or corrupt file."""
+
+
 class CheckpointDirError(PallasEmbError, OSError):
   """A checkpoint directory that cannot be written (checked before training,
   and on every save)."""

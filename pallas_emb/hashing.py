@@ -31,13 +31,14 @@ hash64 itself, with probability about n**2 / 2**65 for the whole set.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from typing import Any
 
 import numpy as np
 
-from pallas_emb.errors import InputError, check_int
+from pallas_emb.errors import InputError, SpecError, check_int
 
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -154,6 +155,41 @@ def hash_ids(raw: Any, num_rows: int, *, seed: int = 0, pad: Any = None) -> np.n
   if (~padding).any():
     rows[~padding] = (hash64(raw[~padding], seed=seed) % np.uint64(num_rows)).astype(np.int32)
   return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class HashRule:
+  """How a feature's raw ids were made rows: `hash_ids(raw, num_rows,
+  seed=seed, pad=pad)`, with num_rows its table's.
+
+  The library does not hash for the caller in training (the caller's input
+  pipeline calls `hash_ids`); a serving artifact records the rule, so that
+  whoever serves the model hashes as training did
+  (`pallas_emb.export_serving(features={"query": HashRule(seed=3, pad="")})`).
+
+  Attributes:
+    seed: int >= 0, as `hash64`.
+    pad: the raw value that marks padding (an int or a str), or None.
+  """
+
+  seed: int = 0
+  pad: int | str | None = None
+
+  def __post_init__(self):
+    check_int(self.seed, "HashRule: seed", minimum=0, error=SpecError)
+    if self.pad is not None and (
+      isinstance(self.pad, bool) or not isinstance(self.pad, (numbers.Integral, str))
+    ):
+      raise SpecError(
+        f"HashRule: pad must be None, an int or a str (it is written to a JSON manifest), "
+        f"got {self.pad!r} of type {type(self.pad).__name__}."
+      )
+    if isinstance(self.pad, numbers.Integral):
+      object.__setattr__(self, "pad", int(self.pad))  # NumPy ints: as JSON writes them
+
+  def rows(self, raw: Any, num_rows: int) -> np.ndarray:
+    """`hash_ids(raw, num_rows)` under this rule: int32, -1 padding."""
+    return hash_ids(raw, num_rows, seed=self.seed, pad=self.pad)
 
 
 def expected_collision_fraction(num_ids: int, num_rows: int) -> float:

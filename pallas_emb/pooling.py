@@ -94,7 +94,7 @@ def _sum_positions(x: jax.Array) -> jax.Array:
   return jnp.dot(ones, x.reshape(l, b * d), precision="highest").reshape(b, d)
 
 
-def pool(x: Any, rows: jax.Array, has_row: jax.Array, combiner):
+def pool(x: Any, rows: jax.Array, has_row: jax.Array, combiner, bags: jax.Array | None = None):
   """One feature's output from its token rows.
 
   Args:
@@ -103,6 +103,8 @@ def pool(x: Any, rows: jax.Array, has_row: jax.Array, combiner):
       ragged), zero where no row.
     has_row: (L, b) (or (1, C)) bool, True where the id got a row.
     combiner: the feature's combiner (None: a sequence of padded ids).
+    bags: of a ragged block, its (C,) bag of each slot if the caller has
+      it (`ragged_bags`, or the serving program's form of it), else None.
 
   Returns:
     (output, weights): (b, D) float32 (or (b, L, D) for a sequence); the
@@ -112,7 +114,8 @@ def pool(x: Any, rows: jax.Array, has_row: jax.Array, combiner):
   if isinstance(x, Ragged):
     w = w[:, 0] if x.weights is None else w[:, 0] * x.weights.astype(jnp.float32)
     b = x.lengths.shape[0]
-    bags, _ = ragged_bags(x.lengths, w.shape[0])
+    if bags is None:
+      bags, _ = ragged_bags(x.lengths, w.shape[0])
     bag_sum = lambda v: jax.ops.segment_sum(v, bags, num_segments=b, indices_are_sorted=True)
     w = _normalize(w, combiner, bag_sum, lambda v: jnp.take(v, bags, mode="fill", fill_value=0))
     return bag_sum(rows[0] * w[:, None]), BagWeights(w, bags, x.lengths)

@@ -151,6 +151,12 @@ def vocab_keys(raw: Any, vocabulary: DynamicVocabulary, *, pad: Any = -1) -> np.
     InputError: ids of an unsupported type, or the one raw id whose key is
       the padding key (re-salt with another `seed`).
   """
+  return key_words(raw, vocabulary.seed, pad=pad)
+
+
+def key_words(raw: Any, seed: int, *, pad: Any = -1) -> np.ndarray:
+  """`vocab_keys` under a vocabulary's `seed` alone (what a serving
+  artifact keeps of its `DynamicVocabulary`)."""
   raw = np.asarray(raw)
   padding = np.zeros(raw.shape, bool)
   if raw.dtype == object:
@@ -159,12 +165,12 @@ def vocab_keys(raw: Any, vocabulary: DynamicVocabulary, *, pad: Any = -1) -> np.
     padding |= np.broadcast_to(np.asarray(raw == pad, bool), raw.shape)
   out = np.full((*raw.shape, 2), PAD_WORD, np.uint32)
   if (~padding).any():
-    k = hashing.hash64(raw[~padding], seed=vocabulary.seed)
+    k = hashing.hash64(raw[~padding], seed=seed)
     if (k == np.uint64(_MASK64)).any():
       bad = raw[~padding][k == np.uint64(_MASK64)][0]
       raise InputError(
         f"raw id {bad!r} has the padding key 0xFFFFFFFFFFFFFFFF under seed "
-        f"{vocabulary.seed}; use another DynamicVocabulary(seed=...)."
+        f"{seed}; use another DynamicVocabulary(seed=...)."
       )
     out[~padding] = np.stack([k >> np.uint64(32), k & np.uint64(0xFFFFFFFF)], -1).astype(np.uint32)
   return out

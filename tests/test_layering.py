@@ -65,6 +65,17 @@ ALLOWED = {
   # The library never loads the main job or the benchmarks.
   "pallas_emb.train": SPARSE + ("pallas_emb.async_emb", "pallas_emb.train"),
   "pallas_emb.data": INPUTS + ("pallas_emb.ids", "pallas_emb.data"),
+  # Serving loads no training, optimizer or kernel module: a server needs
+  # the artifact, JAX and the host-side id conversions only.
+  "pallas_emb.serving": INPUTS
+  + (
+    "pallas_emb.ids",
+    "pallas_emb.tokens",
+    "pallas_emb.pooling",
+    "pallas_emb.hashing",
+    "pallas_emb.vocabulary",
+    "pallas_emb.serving",
+  ),
 }
 
 

@@ -60,11 +60,19 @@ def test_short_run_learns(tmp_path):
   # Measured: 150 steps of 512 reach eval AUC ~0.72 (the planted model's own
   # AUC is 0.83); 0.65 leaves room for seed-to-seed variation.
   report = _run_in_process(
-    "--steps=150", "--batch_size=512", "--log_every=1000", f"--report_json={tmp_path}/r.json"
+    "--steps=150",
+    "--batch_size=512",
+    "--log_every=1000",
+    f"--report_json={tmp_path}/r.json",
+    f"--export_dir={tmp_path}/served",
   )
   saved = json.loads((tmp_path / "r.json").read_text())
   assert saved == json.loads(json.dumps(report))
   assert report["eval_auc"] > 0.65, report
+  # Evaluated through the exported artifact too: the same logits.
+  served = report["serving"]
+  assert served["export_dir"] == str(tmp_path / "served") and served["examples"] > 0
+  assert served["max_abs_logit_difference"] < 1e-5 and served["auc"] == report["eval_auc"]
   assert report["final_train_loss"] < report["initial_train_loss"] - 0.05
   for key in (
     "steps",

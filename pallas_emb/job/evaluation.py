@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 
+import jax
 import numpy as np
 
 from pallas_emb.data.feed import GlobalBatches
@@ -16,11 +17,21 @@ from pallas_emb.job import baselines
 from pallas_emb.train import metrics
 
 
-def evaluate(trainer, state, feeder: GlobalBatches, max_batches: int = 0) -> dict:
-  """AUC and log-loss of the held-out set (every process gets the result)."""
+def evaluate(trainer, state, feeder: GlobalBatches, max_batches: int = 0, served=None) -> dict:
+  """AUC and log-loss of the held-out set (every process gets the result).
+
+  With `served` (a `ServingModel` of these tables, on this process), each
+  batch is also scored through it: the whole batch's ids looked up by the
+  artifact, the dense model applied to its activations on the host's
+  parameters; the result's "served" holds those numbers and the largest
+  difference of a logit from the training lookup's.
+  """
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
 
-  scores, labels, weights = [], [], []
+  scores, labels, weights, served_scores = [], [], [], []
+  if served is not None:
+    params = jax.device_get(state.params)
+    served_loss = jax.jit(trainer.loss_fn)
   # islice stops before the generator reads the batch after the last.
   for batch, _ in itertools.islice(feeder.eval(), max_batches or None):
     _, aux = trainer.evaluate(state, batch)
@@ -30,13 +41,24 @@ def evaluate(trainer, state, feeder: GlobalBatches, max_batches: int = 0) -> dic
     scores.append(np.asarray(s))
     labels.append(np.asarray(y))
     weights.append(np.asarray(w))
+    if served is not None:
+      whole = jax.tree.map(np.asarray, multihost_utils.process_allgather(batch, tiled=True))
+      acts, _ = served.lookup(whole["ids"])
+      served_scores.append(np.asarray(served_loss(params, acts, whole)[1]["logits"]))
   s, y, w = (np.concatenate(x) for x in (scores, labels, weights))
   keep = w > 0
-  return {
-    "auc": metrics.auc(s[keep], y[keep]),
-    "logloss": metrics.log_loss(s[keep], y[keep]),
-    "examples": int(keep.sum()),
-  }
+  out = _scores(s[keep], y[keep])
+  if served is not None:
+    s_served = np.concatenate(served_scores)
+    out["served"] = {
+      **_scores(s_served[keep], y[keep]),
+      "max_abs_logit_difference": float(np.max(np.abs(s_served - s), initial=0.0)),
+    }
+  return out
+
+
+def _scores(s: np.ndarray, y: np.ndarray) -> dict:
+  return {"auc": metrics.auc(s, y), "logloss": metrics.log_loss(s, y), "examples": int(s.size)}
 
 
 def baselines_of(dataset, enabled: bool = True) -> list[dict]:

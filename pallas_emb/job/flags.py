@@ -129,6 +129,12 @@ flags.DEFINE_string("report_json", None, "Write the final report to this JSON fi
 flags.DEFINE_string(
   "save_tables", None, "Write the final tables (logical row order) to this .npz file."
 )
+flags.DEFINE_string(
+  "export_dir",
+  None,
+  "At the end, write a serving artifact here (pallas_emb.export_serving), load it back and "
+  "evaluate through it as well as through the training lookup.",
+)
 flags.DEFINE_integer("seed", 0, "Seed of the data and the initial parameters.")
 flags.DEFINE_bool(
   "debug",

@@ -127,9 +127,14 @@ def run(argv=()) -> dict:
   loop.log.add_phase("startup", time.perf_counter() - _STARTED)
   trained = _train_watched(job, loop, start, data_state)
   done = trained.steps
+  state, _ = job.trainer.flush(trained.state)  # the last gradient reaches the tables
+  served = None
+  if FLAGS.export_dir:
+    with loop.log.phase("export"):
+      served = _export(job.emb, state)
   with loop.log.phase("evaluation"):
-    state, _ = job.trainer.flush(trained.state)  # the last gradient reaches the tables
-    ev = evaluation.evaluate(job.trainer, state, job.feeder, FLAGS.eval_batches)
+    ev = evaluation.evaluate(job.trainer, state, job.feeder, FLAGS.eval_batches, served)
+  served_ev = ev.pop("served", None)
   loop.log.eval(done, ev)
   if best.add(done, ev) and best_ckpt is not None and done > start:
     with loop.log.phase("checkpoints"):
@@ -140,6 +145,12 @@ def run(argv=()) -> dict:
     f"logloss {ev['logloss']:.4f}  ({ev['examples']} eval examples); best: step {best.step}  "
     f"auc {best.metrics['auc']:.4f}  logloss {best.metrics['logloss']:.4f}"
   )
+  if served_ev is not None:
+    log(
+      f"served from {served.path}: eval auc {served_ev['auc']:.4f}  logloss "
+      f"{served_ev['logloss']:.4f}; largest logit difference from the training lookup "
+      f"{served_ev['max_abs_logit_difference']:.2e}"
+    )
   with loop.log.phase("baselines"):
     baselines = evaluation.baselines_of(job.dataset, FLAGS.baselines)
   for b in baselines:
@@ -149,8 +160,30 @@ def run(argv=()) -> dict:
     f"{loop.log.cumulative_rate:.0f} ex/s; {loop.log.phases_line()}"
   )
   report = _report(job, loop, trained, ev, baselines, mesh)
+  report["serving"] = None if served is None else {"export_dir": served.path, **served_ev}
   _write_outputs(job.emb, state, report)
   return report
+
+
+def _export(emb, state):
+  """Writes --export_dir and loads it back on process 0 (None elsewhere):
+  the artifact's lookup, for the evaluation."""
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+  import pallas_emb as pe  # pylint: disable=g-import-not-at-top
+
+  path = pe.export_serving(emb, state.tables, FLAGS.export_dir)
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices("pallas_emb serving export")
+  if jax.process_index() != 0:
+    return None
+  served = pe.load_serving(path)
+  log(f"exported a serving artifact to {path} ({_bytes(path) / 2**20:.1f} MiB)")
+  return served
+
+
+def _bytes(path: str) -> int:
+  return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
 def _report(job: Job, loop: Loop, trained, ev: dict, baselines, mesh) -> dict:
