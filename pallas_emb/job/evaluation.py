@@ -35,14 +35,14 @@ def evaluate(trainer, state, feeder: GlobalBatches, max_batches: int = 0, served
   # islice stops before the generator reads the batch after the last.
   for batch, _ in itertools.islice(feeder.eval(), max_batches or None):
     _, aux = trainer.evaluate(state, batch)
-    s, y, w = multihost_utils.process_allgather(
-      (aux["logits"], batch["label"], batch["weight"]), tiled=True
-    )
+    # The whole batch reaches the host only for the artifact's lookup.
+    rows = batch if served is not None else {k: batch[k] for k in ("label", "weight")}
+    s, whole = multihost_utils.process_allgather((aux["logits"], rows), tiled=True)
     scores.append(np.asarray(s))
-    labels.append(np.asarray(y))
-    weights.append(np.asarray(w))
+    labels.append(np.asarray(whole["label"]))
+    weights.append(np.asarray(whole["weight"]))
     if served is not None:
-      whole = jax.tree.map(np.asarray, multihost_utils.process_allgather(batch, tiled=True))
+      whole = jax.tree.map(np.asarray, whole)
       acts, _ = served.lookup(whole["ids"])
       served_scores.append(np.asarray(served_loss(params, acts, whole)[1]["logits"]))
   s, y, w = (np.concatenate(x) for x in (scores, labels, weights))

@@ -136,19 +136,9 @@ def fused_update(
   gradients', see `checks.check_update`). An optimizer whose math cannot run
   in a kernel (`runs_in_kernel` False) has it run in XLA on the rows the
   block kernels move (`staged_update`)."""
-  dim = checks.check_update(
-    table,
-    slots,
-    rows,
-    grads,
-    scalars,
-    optimizer=optimizer,
-    dtype=dtype,
-    rounding_keys=rounding_keys,
-    dim=dim,
-  )
-  args = (table, slots, rows, grads, scalars, apply)
   kw = dict(optimizer=optimizer, dtype=dtype, rounding_keys=rounding_keys, dim=dim)
+  kw["dim"] = dim = checks.check_update(table, slots, rows, grads, scalars, **kw)
+  args = (table, slots, rows, grads, scalars, apply)
   if backend == "native" and rounding_keys is None and native.supports(optimizer, dtype):
     return native.fused_update(*args, optimizer=optimizer, dtype=dtype, dim=dim)
   if update_form(backend, table, slots, rows.shape[0], dim=dim, dtype=dtype) == "xla":

@@ -194,17 +194,8 @@ def fused_update(
     ConfigError: a bad chunk_rows, block_rows, interpret or target.
     VmemBudgetError: a block and a chunk do not fit the chip's VMEM.
   """
-  dim = checks.check_update(
-    table,
-    slots,
-    rows,
-    grads,
-    scalars,
-    optimizer=optimizer,
-    dtype=dtype,
-    rounding_keys=rounding_keys,
-    dim=dim,
-  )
+  kw = dict(optimizer=optimizer, dtype=dtype, rounding_keys=rounding_keys, dim=dim)
+  dim = checks.check_update(table, slots, rows, grads, scalars, **kw)
   params = checks.interpret_params(interpret)
   chunk = checks.chunk_size(chunk_rows, rows.shape[0])
   if rows.shape[0] == 0:

@@ -28,32 +28,24 @@ KERNEL_TARGETS = frozenset({"tpu_custom_call"})
 def _args(manifest: dict, feature: str, form: str, chips, batch: int, bag: int):
   """Abstract (table, keys, num_rows, *ids) of `feature`'s `form` program,
   placed as `load_serving` places them on a mesh over `chips`."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
 
+  from pallas_emb.serving import program  # pylint: disable=g-import-not-at-top
+  from pallas_emb.serving.model import placed_rows  # pylint: disable=g-import-not-at-top
+
   mesh = Mesh(np.array(chips), ("rows",))
-  rows, rep = NamedSharding(mesh, P("rows")), NamedSharding(mesh, P())
   f = manifest["features"][feature]
   t = manifest["tables"][f["table"]]
-  v, d = t["rows"]["shape"]
-  v = max(-(-v // len(chips)) * len(chips), len(chips))
-  sds = lambda shape, dtype, s=rep: jax.ShapeDtypeStruct(shape, dtype, sharding=s)
-  table = sds((v, d), jnp.dtype(t["dtype"]), rows)
-  keys = ()
+  rows, dim = t["rows"]["shape"]
+  per_shard = max(1, batch // manifest["num_shards"])
+  sizes = {"v": placed_rows(rows, len(chips)), "d": dim, "b": batch, "l": bag}
+  sizes.update(c=per_shard * bag, k=per_shard)
   if "dynamic" in t:
-    n = t["dynamic"]["ids"]["shape"][0] + 1  # and the sentinel
-    keys = (sds((n,), jnp.uint32), sds((n,), jnp.uint32), sds((n,), jnp.int32))
-  tail, id_dtype = ((2,), jnp.uint32) if "dynamic" in t else ((), jnp.int32)
-  head = (table, keys, sds((), jnp.int32))
-  if form == "bags":
-    return *head, sds((batch, bag, *tail), id_dtype), sds((batch, bag), jnp.float32)
-  s = manifest["num_shards"]
-  k = max(1, batch // s)
-  c = k * bag
-  return *head, sds((s, c, *tail), id_dtype), sds((s, k), jnp.int32), sds((s, c), jnp.float32)
+    sizes["n"] = t["dynamic"]["ids"]["shape"][0] + len(program.sentinel_keys()[0])
+  shardings = (NamedSharding(mesh, P("rows")), NamedSharding(mesh, P()))
+  return program.arg_shapes(program.FeatureProgram(**f["program"]), form, sizes, shardings)
 
 
 def compile_artifact(path: str, topology: str, batch: int = 256, bag: int = 8) -> list[dict]:

@@ -117,11 +117,16 @@ def _auto(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
   return jax.sharding.Mesh(mesh.devices, mesh.axis_names)
 
 
+def placed_rows(num_rows: int, parts: int) -> int:
+  """A table's rows once placed over `parts` devices: a multiple of them,
+  at least one row each (a symbolic size is at least 1)."""
+  return max(-(-num_rows // parts) * parts, parts)
+
+
 def _place_rows(rows: np.ndarray, mesh) -> jax.Array:
   """A table on the default device, or split by rows over every device of
-  `mesh` (zero rows appended to a multiple of them; at least one row)."""
-  parts = 1 if mesh is None else mesh.size
-  pad = max(-(-rows.shape[0] // parts) * parts, parts) - rows.shape[0]
+  `mesh` (zero rows appended, `placed_rows`)."""
+  pad = placed_rows(rows.shape[0], 1 if mesh is None else mesh.size) - rows.shape[0]
   if pad:
     rows = np.concatenate([rows, np.zeros((pad, *rows.shape[1:]), rows.dtype)])
   return jax.device_put(rows, None if mesh is None else NamedSharding(mesh, P(mesh.axis_names)))

@@ -44,14 +44,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_emb import pooling
+from pallas_emb.ids import INVALID_ID
 from pallas_emb.inputs import Ragged, Weighted
+from pallas_emb.vocabulary import PAD_WORD
 
 FORMS = ("bags", "ragged")
 # Lowered for both; a loader runs the one of its devices.
 PLATFORMS = ("cpu", "tpu")
-PAD_WORD = np.uint32(0xFFFFFFFF)
-# Ids that get no row (as the training lookup's invalid ids); -1 is padding.
-NO_ROW = -2
+# Ids that get no row are the training lookup's invalid ids; -1 is padding.
+NO_ROW = INVALID_ID
 # Halvings of the binary search: any int32 count of keys.
 _SEARCH_STEPS = 32
 
@@ -178,13 +179,21 @@ def lookup_ragged(p: FeatureProgram, table, keys, num_rows, ids, lengths, weight
   return out.reshape(-1, out.shape[-1]), jnp.sum(misses)
 
 
-def arg_shapes(p: FeatureProgram, form: str) -> tuple:
-  """The abstract arguments (table, keys, num_rows, *ids) of `form`, with
-  symbolic sizes: rows v and width d, keys n, and the request's b, l (bags)
-  or c, k (ragged)."""
-  v, d, n, b, l, c, k = jax.export.symbolic_shape("v, d, n, b, l, c, k")
-  sds = jax.ShapeDtypeStruct
-  table = sds((v, d), jnp.dtype(p.dtype))
+def arg_shapes(p: FeatureProgram, form: str, sizes=None, shardings=(None, None)) -> tuple:
+  """The abstract arguments (table, keys, num_rows, *ids) of `form`.
+
+  Args:
+    sizes: None, or some of the sizes by name: the table's rows v and width
+      d, the map's keys n, and the request's b, l (bags) or c, k (ragged);
+      the others are symbolic (what `export` lowers for).
+    shardings: (the table's, every other argument's) placement, or None.
+  """
+  names = ("v", "d", "n", "b", "l", "c", "k")
+  dims = dict(zip(names, jax.export.symbolic_shape(", ".join(names))))
+  v, d, n, b, l, c, k = ({**dims, **(sizes or {})}[x] for x in names)
+  on_table, elsewhere = shardings
+  sds = lambda shape, dtype, s=elsewhere: jax.ShapeDtypeStruct(shape, dtype, sharding=s)
+  table = sds((v, d), jnp.dtype(p.dtype), on_table)
   keys = (sds((n,), jnp.uint32), sds((n,), jnp.uint32), sds((n,), jnp.int32)) if p.dynamic else ()
   tail, id_dtype = ((2,), jnp.uint32) if p.dynamic else ((), jnp.int32)
   head = (table, keys, sds((), jnp.int32))
