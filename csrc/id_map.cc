@@ -117,6 +117,10 @@ ffi::Error KeyPlan(ffi::Buffer<ffi::U32> hi_buf, ffi::Buffer<ffi::U32> lo_buf,
   return ffi::Error::Success();
 }
 
+// A sketch row is halved once it holds width / kSketchSampleDivisor
+// increments (id_map.SKETCH_SAMPLE_DIVISOR).
+constexpr int64_t kSketchSampleDivisor = 4;
+
 uint32_t SketchCell(uint32_t hi, uint32_t lo, uint32_t d, uint32_t width) {
   uint32_t x = (hi ^ kSalts[d % 8]) * kMul1;
   x = (x ^ lo ^ d) * kMul2;
@@ -224,8 +228,17 @@ int32_t StepMap(const MapArrays& map, int32_t step, const uint32_t* recv_hi,
       s.estimate[u] = s.u_cnt[u];
     }
   }
-  // 4. Admission: every waiting key counted in the sketch, then estimated.
+  // 4. Admission: the sketch halved if full (id_map.age_sketch), every waiting
+  // key counted in it, then estimated.
   if (depth > 0) {
+    int64_t fullest = 0;
+    for (int64_t d = 0; d < depth; ++d) {
+      int64_t sum = 0;
+      for (int64_t c = 0; c < width; ++c) sum += sketch[d * width + c];
+      fullest = std::max(fullest, sum);
+    }
+    if (fullest >= std::max<int64_t>(width / kSketchSampleDivisor, 1))
+      for (int64_t c = 0; c < depth * width; ++c) sketch[c] >>= 1;
     for (int64_t u = 0; u < nu; ++u)
       if (s.left[u])
         for (int64_t d = 0; d < depth; ++d)

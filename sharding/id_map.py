@@ -22,8 +22,9 @@ One step (`translate`), on every device:
 2. when training: a sweep on every `evict_every`-th step (LFU counts times
    `decay`; ids idle for `ttl` steps or more evicted); resident keys are
    found in their window (count += occurrences, last = step); the others
-   are counted in the count-min sketch, and those whose estimate reaches
-   `admit_after` are inserted: in round r = 0..P-1 each one still waiting
+   are counted in the count-min sketch (first halved, if full:
+   `age_sketch`), and those whose estimate reaches `admit_after` are
+   inserted: in round r = 0..P-1 each one still waiting
    claims slot home + r if it is free, the lowest rank winning a slot
    claimed twice; those left take the policy's victim in their window
    (one round, lowest rank first; keys used in this step or the previous
@@ -59,6 +60,8 @@ from sharding.key_route import PAD
 from sharding.layout import RowLayout
 
 MISS = -2  # a token's row when it has none (-1 is padding, as the static path's)
+# A sketch row is halved once it holds width / SKETCH_SAMPLE_DIVISOR increments.
+SKETCH_SAMPLE_DIVISOR = 4
 _MUL1, _MUL2 = np.uint32(0x85EBCA6B), np.uint32(0xC2B2AE35)
 _SALTS = np.array([0x9E3779B9, 0x7F4A7C15, 0xF39CC060, 0x5CEDC834, 0x1B873593, 0xCC9E2D51,
                    0xE6546B64, 0x27D4EB2F], np.uint32)  # fmt: skip
@@ -134,6 +137,23 @@ def init_map(num_shards: int, capacity: int, depth: int, width: int) -> IdMap:
     sketch=np.zeros((num_shards * max(depth, 1), width if depth else 1), np.int32),
     step=np.zeros((), np.int32),
   )
+
+
+def sketch_sample(width: int) -> int:
+  """Increments a sketch row may hold before it is halved (`age_sketch`)."""
+  return max(width // SKETCH_SAMPLE_DIVISOR, 1)
+
+
+def age_sketch(sketch):
+  """The sketch halved (every counter, rounded down) when its fullest row
+  holds `sketch_sample(width)` or more: TinyLFU's reset. A row then never
+  holds more than a quarter of its width plus one step's increments, so a
+  counter another key shares reads 1/4 on average however long the stream
+  (without it a full sketch reads every key as seen). (depth, width) int32,
+  NumPy or JAX; the native map (csrc/id_map.cc) does the same."""
+  xp = np if isinstance(sketch, np.ndarray) else jnp
+  full = xp.max(xp.sum(sketch, axis=1)) >= sketch_sample(sketch.shape[1])
+  return xp.where(full, sketch >> 1, sketch)
 
 
 def _victims(last, count, inside, step, *, policy: str, ttl):
@@ -273,7 +293,7 @@ def owner_step(
       cells = sketch_slots(u_hi, u_lo, depth, width)
       inc = jnp.where(waiting, u_cnt, 0)
       rows = jnp.broadcast_to(jnp.arange(depth)[:, None], cells.shape)
-      sketch = m.sketch.at[rows, cells].add(jnp.broadcast_to(inc, cells.shape))
+      sketch = age_sketch(m.sketch).at[rows, cells].add(jnp.broadcast_to(inc, cells.shape))
       m = m._replace(sketch=sketch)
       estimate = jnp.min(sketch[rows, cells], axis=0)
       admitted = waiting & (estimate >= admit_after)

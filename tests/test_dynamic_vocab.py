@@ -22,7 +22,8 @@ B, L = 8, 2
 
 POLICIES = {
   "lfu": DynamicVocabulary(policy="lfu", probe_limit=3, evict_every=3, decay=0.5, ttl=4),
-  "lru": DynamicVocabulary(policy="lru", probe_limit=2, admit_after=2, sketch_width=512),
+  # A narrow sketch: it fills, and ages (halves), within a few steps.
+  "lru": DynamicVocabulary(policy="lru", probe_limit=2, admit_after=2, sketch_width=128),
   "ttl": DynamicVocabulary(policy="ttl", probe_limit=4, ttl=2, evict_every=2),
 }
 
@@ -89,7 +90,7 @@ def test_equals_reference_through_evictions(num_devices, policy, backend):
   rng = np.random.default_rng(num_devices)
   stream = rng.integers(-1, 61, (12, B * L)).tolist()
   totals = _check_against_reference(num_devices, policy, stream, backend)
-  assert totals["inserts"] > 30 and totals["evictions"] > 0, totals
+  assert totals["inserts"] > 20 and totals["evictions"] > 0, totals
   assert totals["not_admitted"] > 0 or policy != "lru", totals
 
 
@@ -194,6 +195,52 @@ def test_lfu_keeps_the_frequent_ids_of_a_zipf_stream():
   top = set(perm[: capacity // 2].tolist())
   kept = len(top & set(emb.resident_ids(vocabs, "t").tolist())) / len(top)
   assert kept >= 0.9, kept
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_once_seen_ids_stay_out_however_long_the_stream(backend):
+  """31x the capacity in ids seen once each, over 1,000 steps, with the
+  default sketch: at most 1% take a row (without the sketch's aging, 69%
+  did: a full sketch reads every id as seen twice)."""
+  capacity, per_step, steps = 256, 8, 1000
+  emb = _emb(2, DynamicVocabulary(admit_after=2), num_rows=capacity, backend=backend)
+  tables, vocabs = emb.init(jax.random.key(0)), emb.init_vocabularies(jax.random.key(1))
+  admitted = 0
+  for s in range(steps):
+    raw = np.arange(s * per_step, (s + 1) * per_step, dtype=np.int64) * 104729 + 7
+    rows, tables, vocabs, _ = emb.admit(tables, vocabs, {"f": raw.reshape(-1, 1)})
+    admitted += int((np.asarray(rows["f"]) >= 0).sum())
+  assert admitted <= 0.01 * steps * per_step, admitted
+
+
+def test_an_aged_sketch_keeps_the_frequent_ids_of_a_long_zipf_stream():
+  """8 shards, 400 steps of a Zipf(1.1) stream over 10x the capacity in
+  distinct ids, admit_after=2: the most frequent capacity / 2 ids stay."""
+  capacity, distinct, batch = 1024, 10240, 256
+  emb = _emb(8, DynamicVocabulary(admit_after=2), num_rows=capacity, optimizer=pe.SGD(0.1))
+  tables, vocabs = emb.init(jax.random.key(0)), emb.init_vocabularies(jax.random.key(1))
+  rng = np.random.default_rng(0)
+  p = np.arange(1, distinct + 1, dtype=np.float64) ** -1.1
+  perm = rng.permutation(distinct).astype(np.int64) * 104729 + 12345
+  for _ in range(400):
+    ranks = rng.choice(distinct, size=(batch, 1), p=p / p.sum())
+    _, tables, vocabs, _ = emb.admit(tables, vocabs, {"f": perm[ranks]})
+    jax.block_until_ready(vocabs)  # 8 CPU devices: keep dispatch in step
+  top = set(perm[: capacity // 2].tolist())
+  kept = len(top & set(emb.resident_ids(vocabs, "t").tolist())) / len(top)
+  assert kept >= 0.9, kept
+
+
+def test_a_full_sketch_is_halved_before_it_counts():
+  from sharding.id_map import age_sketch, sketch_sample
+
+  full = np.full((2, 64), 1, np.int32)  # 64 in a row: at least the sample
+  assert sketch_sample(64) == 16
+  np.testing.assert_array_equal(age_sketch(full), np.zeros_like(full))
+  np.testing.assert_array_equal(np.asarray(age_sketch(jnp.asarray(full * 3))), full)
+  light = np.zeros((2, 64), np.int32)
+  light[1, :15] = 1  # 15 < 16: kept as it is
+  np.testing.assert_array_equal(age_sketch(light), light)
 
 
 def test_eval_reads_only_and_no_recompile_as_the_vocabulary_grows():

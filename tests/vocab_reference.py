@@ -110,6 +110,9 @@ class ReferenceVocab:
         self.count[s][j] = np.float32(self.count[s][j] + np.float32(counts[k]))
         self.last[s][j] = self.step
     if v.admit_after > 1:
+      # TinyLFU's reset: halved once its fullest row holds a quarter of its width.
+      if self.sketch[s].sum(axis=1).max() >= max(self.W // 4, 1):
+        self.sketch[s] //= 2
       hi = np.array([k >> 32 for k in waiting], np.uint32)
       lo = np.array([k & 0xFFFFFFFF for k in waiting], np.uint32)
       cells = sketch_slots(hi, lo, self.D, self.W)

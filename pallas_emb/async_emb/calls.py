@@ -25,6 +25,8 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from pallas_emb import programs, validate
 from pallas_emb.async_emb.context import AsyncEmbContextHandle, tie
@@ -94,10 +96,12 @@ def make_gradient_update(
 
 def empty_gradient_update(context: AsyncEmbContextHandle) -> AsyncEmbGradientUpdate:
   """The update that applies nothing (first step, after a flush)."""
-  res, token_grads = programs.empty_residuals(context.sharded_table, context.tokens_per_rank)
-  return AsyncEmbGradientUpdate.from_residuals(
-    res, token_grads, jnp.asarray(False), context.identity
-  )
+  t = context.sharded_table
+  res, token_grads = programs.empty_residuals(t, context.tokens_per_rank)
+  # Replicated on the table's mesh, as a step's own flag is: a flag of no
+  # placement differs in type, and the step's program compiled twice.
+  pending = jax.device_put(jnp.asarray(False), NamedSharding(t.mesh, P()))
+  return AsyncEmbGradientUpdate.from_residuals(res, token_grads, pending, context.identity)
 
 
 def gradient_update_start(
