@@ -165,9 +165,18 @@ def _translate_args(t: ShardedTable, tokens: int, train: bool):
     decay=float(v.decay),
     ttl=v.ttl,
     train=train,
-    impl=kernels.id_map_impl(t.backend),
+    impl=_map_impl(t.backend),
     lane_dense=platform_of(t.mesh.devices.flat) == "tpu",
   )
+
+
+def _map_impl(backend: str) -> id_map.MapImpl | None:
+  impl = kernels.id_map_impl(backend)
+  return None if impl is None else id_map.MapImpl(**impl)
+
+
+def _metrics(tr: id_map.Translation) -> VocabMetrics:
+  return VocabMetrics(**{f: getattr(tr, f) for f in VocabMetrics._fields})
 
 
 def _split(rows, words):
@@ -191,7 +200,7 @@ def admit(t: ShardedTable, state: TableState, vs: VocabState, words: tuple[jax.A
     step = m.step
     m, tr = id_map.translate(m, flat, **_translate_args(t, flat.shape[0], True))
     table, slots = _reset(t, table, slots, tr.reset, key, step)
-    return _split(tr.rows, words), table, slots, m, VocabMetrics(*tr[2:])
+    return _split(tr.rows, words), table, slots, m, _metrics(tr)
 
   rows, table, slots, m, metrics = programs.per_device(
     t,
@@ -210,7 +219,7 @@ def read(t: ShardedTable, vs: VocabState, words: tuple[jax.Array, ...]):
     m, words = IdMap(*args[:6]), args[6:]
     flat = jnp.concatenate([w.reshape(-1, 2) for w in words])
     _, tr = id_map.translate(m, flat, **_translate_args(t, flat.shape[0], False))
-    return _split(tr.rows, words), VocabMetrics(*tr[2:])
+    return _split(tr.rows, words), _metrics(tr)
 
   return programs.per_device(t, fn, [*MAP_SPECS] + [ROWS] * len(words), (ROWS, REPLICATED))(
     *vs.map, *words

@@ -241,6 +241,16 @@ PlanImpl = Callable[..., tuple[jax.Array, jax.Array, jax.Array, jax.Array]]
 OneShardImpl = Callable[..., tuple]
 
 
+class MapImpl(NamedTuple):
+  """A map's step computed elsewhere, the same bits (the native CPU
+  kernels): the source's plan, the owner's step, and optionally a
+  one-shard map's whole step, which replaces both on a one-shard axis."""
+
+  plan: PlanImpl
+  owner_step: OwnerStepImpl
+  one_shard: OneShardImpl | None = None
+
+
 def owner_step(
   m: IdMap,
   recv_hi: jax.Array,
@@ -346,7 +356,7 @@ def translate(
   axis_name,
   key_capacity: int,
   train: bool,
-  impl: tuple[PlanImpl, OwnerStepImpl] | tuple[PlanImpl, OwnerStepImpl, OneShardImpl] | None = None,
+  impl: MapImpl | None = None,
   lane_dense: bool = False,
   **policy,
 ) -> tuple[IdMap, Translation]:
@@ -362,9 +372,7 @@ def translate(
     key_capacity: distinct keys this source may send one owner
       (`sharding.key_route`); the tokens of keys beyond it get no row.
     train: False reads only: nothing is counted, inserted or evicted.
-    impl: (plan, owner step[, one-shard step]) computed elsewhere, the
-      same bits (the native CPU kernels); the one-shard step, if given,
-      replaces the other two on a one-shard axis; None runs
+    impl: a `MapImpl` (the native CPU kernels); None runs
       `key_route.plan` and `owner_step`.
     lane_dense: `owner_step`'s (without `impl`).
     **policy: `owner_step`'s probe_limit, admit_after, policy,
@@ -384,8 +392,8 @@ def translate(
   row_of = lambda slot: jnp.where(
     slot >= 0, map_slots.logical_rows(layout, me, jnp.maximum(slot, 0)), MISS
   )
-  if shards == 1 and impl is not None and len(impl) > 2:
-    out = impl[2](
+  if shards == 1 and impl is not None and impl.one_shard is not None:
+    out = impl.one_shard(
       m, words[:, 0], words[:, 1], valid, usable, key_capacity=key_capacity, train=train, **policy
     )
     m, rows, (reset, *counts) = IdMap(*out[0]), jnp.where(valid, row_of(out[1]), -1), out[2:]
@@ -397,16 +405,16 @@ def translate(
       num_shards=shards,
       capacity=key_capacity,
       axis_name=axis_name,
-      impl=impl and impl[0],
+      impl=impl and impl.plan,
     )
-    step_fn = impl[1] if impl else functools.partial(owner_step, lane_dense=lane_dense)
+    step_fn = impl.owner_step if impl else functools.partial(owner_step, lane_dense=lane_dense)
     step = OwnerStep(
       *step_fn(m, route.recv_hi, route.recv_lo, route.recv_count, usable, train=train, **policy)
     )
     m, row = IdMap(*step.map), row_of(step.slot)
     answer = jnp.where(step.slot_uid >= 0, row[jnp.maximum(step.slot_uid, 0)], MISS)
     rows = jnp.where(valid, key_route.answer(route, answer, axis_name=axis_name, fill=MISS), -1)
-    reset, counts = step.reset, step[4:]
+    reset, counts = step.reset, (step.evictions, step.inserts, step.not_admitted, step.failed)
   evictions, inserts, not_admitted, failed = (jax.lax.psum(x, axis_name) for x in counts)
   return m, Translation(
     rows=rows,

@@ -264,8 +264,10 @@ def test_native_one_shard_step_equals_plan_and_owner_step(name, train, key_capac
     out = jax.jit(run)(*m, words)
     return [np.asarray(x) for x in jax.tree.leaves(out)]
 
-  separate = translate((native_id_map.plan, native_id_map.owner_step))
-  fused = translate((native_id_map.plan, native_id_map.owner_step, native_id_map.one_shard_step))
+  separate = translate(id_map.MapImpl(native_id_map.plan, native_id_map.owner_step))
+  fused = translate(
+    id_map.MapImpl(native_id_map.plan, native_id_map.owner_step, native_id_map.one_shard_step)
+  )
   for i, (g, x) in enumerate(zip(fused, separate)):
     np.testing.assert_array_equal(g, x, err_msg=f"output {i}")
   rows = separate[6]  # Translation.rows follows the map's 6 arrays

@@ -153,12 +153,16 @@ def unique_impl(backend: str):
   return native.unique_keys if backend == "native" else None
 
 
-def id_map_impl(backend: str):
-  """(plan, owner step, one-shard step) of `backend` for
-  `sharding.id_map.translate` (None: its own XLA code)."""
+def id_map_impl(backend: str) -> dict | None:
+  """`backend`'s steps of the id map, by `sharding.id_map.MapImpl`'s field
+  names (None: the map's own XLA code)."""
   if backend != "native":
     return None
-  return (native_id_map.plan, native_id_map.owner_step, native_id_map.one_shard_step)
+  return dict(
+    plan=native_id_map.plan,
+    owner_step=native_id_map.owner_step,
+    one_shard=native_id_map.one_shard_step,
+  )
 
 
 def fuses_segment_sum(backend: str, optimizer, dtype) -> bool:

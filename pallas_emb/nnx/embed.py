@@ -26,7 +26,7 @@ from pallas_emb.embedding import ShardedEmbedding
 from pallas_emb.errors import InputError
 from pallas_emb.ids import int32_ids
 from pallas_emb.state import TableState
-from pallas_emb.train import emb_update
+from pallas_emb.train import emb_update, vocab_step
 from pallas_emb.train.config import TrainConfig, validate_config
 
 
@@ -48,6 +48,14 @@ class EmbPending(nnx.Variable):
 
 class EmbNextLookup(nnx.Variable):
   """table name -> the started `EmbLookup` of the next batch (async)."""
+
+
+class EmbVocab(nnx.Variable):
+  """dynamic table name -> its `VocabState` (the id map), rows sharded."""
+
+
+class EmbAdmission(nnx.Variable):
+  """dynamic table name -> `VocabMetrics` fields of the latest admission."""
 
 
 def _on_mesh(tree, emb: ShardedEmbedding):
@@ -75,6 +83,10 @@ class Embed(nnx.Module):
       and exact pipelines start its lookup here (as `Trainer.init`) and make
       their contexts for its shapes. Not needed for sync.
     tables: table name -> `TableState` to start from instead of `key`.
+    vocabs: dynamic table name -> `VocabState` to start from; default
+      `emb.init_vocabularies(key)`. Dynamic tables take raw ids (host NumPy
+      int64 or strings) or key words, and each pipeline admits a batch
+      into their maps when the `Trainer`'s does (`train.vocab_step`).
 
   Raises:
     ConfigError: at construction, an async config with a table optimizer
@@ -91,13 +103,20 @@ class Embed(nnx.Module):
     config: TrainConfig = TrainConfig(),
     first_ids: Mapping[str, jax.Array] | None = None,
     tables: Mapping[str, TableState] | None = None,
+    vocabs: Mapping | None = None,
   ):
     validate_config(config, emb)
     if tables is None:
       if key is None:
         raise InputError("Embed needs key (to initialise the tables) or tables (to start from).")
       tables = emb.init(key)
+    if vocabs is None and emb.dynamic_tables():
+      if key is None:
+        raise InputError("Embed with dynamic tables needs key or vocabs (their id maps).")
+      vocabs = emb.init_vocabularies(key)
     self.emb, self.config = emb, config
+    self.vocab = EmbVocab(dict(vocabs or {}))
+    self.admission = EmbAdmission({})
     self.table = EmbTable({n: t.table for n, t in tables.items()})
     self.slots = EmbSlots({n: dict(t.slots) for n, t in tables.items()})
     self.step = EmbStep({n: t.step for n, t in tables.items()})
@@ -109,8 +128,16 @@ class Embed(nnx.Module):
           "first training batch: its lookup starts here and the contexts "
           "are made for its shapes."
         )
+      first_ids = vocab_step.host_ids(emb, {"ids": first_ids})["ids"]
+      self.contexts = tuple(
+        async_emb.context_handles(emb, vocab_step.row_shaped(emb, first_ids)).items()
+      )
+      first_ids, tables, vocabs, _ = vocab_step.admit(
+        emb, dict(tables), dict(vocabs or {}), first_ids
+      )
       first_ids = int32_ids(first_ids)
-      self.contexts = tuple(async_emb.context_handles(emb, first_ids).items())
+      self._set_tables(tables)
+      self.vocab.set_value(vocabs)
       self.pending = EmbPending(
         {n: _on_mesh(async_emb.empty_gradient_update(c), emb) for n, c in self.contexts}
       )
@@ -133,22 +160,39 @@ class Embed(nnx.Module):
     self.step.set_value({n: t.step for n, t in tables.items()})
 
   def __call__(self, ids: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-    """Embeddings of `ids` on the current tables, nothing updated.
+    """Embeddings of `ids` on the current tables, nothing updated (dynamic
+    tables' ids read their maps, read-only).
 
     Args:
-      ids: feature -> (B, L) int32 or int64 ids, batch-sharded on the mesh.
+      ids: feature -> (B, L) int32 or int64 ids, batch-sharded on the mesh;
+        a dynamic table's as (B, L, 2) uint32 key words (`pe.vocab_keys`).
 
     Returns:
       feature -> (B, dim) (combined) or (B, L, dim) float32.
     """
+    ids = vocab_step.read(self.emb, self.vocab.get_value(), ids)
     return self.emb.lookup(self.tables, ids)[0]
+
+  def admit(self, ids):
+    """Training translation of the dynamic tables' ids (inserts, evicts,
+    resets new rows) -> ids with their rows; the metrics go to
+    `admission`. Static ids pass through."""
+    ids, tables, vocabs, metrics = vocab_step.admit(
+      self.emb, self.tables, self.vocab.get_value(), ids
+    )
+    if vocabs:
+      self._set_tables(tables)
+      self.vocab.set_value(vocabs)
+      self.admission.set_value(metrics)
+    return ids
 
   # The three pipelines, each split at the dense step; `pallas_emb.nnx.step`
   # calls them in order.
 
   def sync_lookup(self, ids):
-    """Sync: (acts, residuals) of `ids`; give the residuals back to
-    `sync_update` with the gradient."""
+    """Sync: (acts, residuals) of `ids` (admitted first); give the
+    residuals back to `sync_update` with the gradient."""
+    ids = self.admit(ids)
     return self.emb.lookup(self.tables, ids)
 
   def sync_update(self, residuals, grads) -> dict:
@@ -182,6 +226,9 @@ class Embed(nnx.Module):
     pending, next_lookup = {}, {}
     for name, ctx in self.contexts:
       pending[name] = async_emb.make_gradient_update(ctx, lookups[name], ctx.table_inputs(grads))
+    self._set_tables(tables)
+    next_ids, tables = self.admit(next_ids), self.tables
+    for name, ctx in self.contexts:
       metrics[name], next_lookup[name] = emb_update.collect_update(
         ctx, tables, old[name], started[name], next_ids, gate
       )
@@ -192,13 +239,16 @@ class Embed(nnx.Module):
   def exact_update(self, grads, next_ids, gate) -> dict:
     """Exact: applies this step's gradient, then starts the lookup of
     `next_ids` -> table name -> metrics."""
-    tables, metrics, next_lookup = self.tables, {}, {}
+    tables, metrics, next_lookup, updates, started = self.tables, {}, {}, {}, {}
     lookups = self.next_lookup.get_value()
     for name, ctx in self.contexts:
-      update = async_emb.make_gradient_update(ctx, lookups[name], ctx.table_inputs(grads))
-      tables[name], started = emb_update.start_update(ctx, update, tables[name], gate)
+      updates[name] = async_emb.make_gradient_update(ctx, lookups[name], ctx.table_inputs(grads))
+      tables[name], started[name] = emb_update.start_update(ctx, updates[name], tables[name], gate)
+    self._set_tables(tables)
+    next_ids, tables = self.admit(next_ids), self.tables
+    for name, ctx in self.contexts:
       metrics[name], next_lookup[name] = emb_update.collect_update(
-        ctx, tables, update, started, next_ids, gate
+        ctx, tables, updates[name], started[name], next_ids, gate
       )
     self._set_tables(tables)
     self.next_lookup.set_value(next_lookup)

@@ -16,7 +16,7 @@ import jax
 from flax import nnx
 
 from pallas_emb.nnx.embed import Embed
-from pallas_emb.train import emb_update
+from pallas_emb.train import emb_update, vocab_step
 
 
 def _dense_grads(dense: nnx.Module, acts, batch):
@@ -45,7 +45,10 @@ def _step(embed: Embed, dense: nnx.Module, optimizer: nnx.Optimizer, batch, next
     (loss, aux), (g_dense, g_acts) = _dense_grads(dense, acts, batch)
     optimizer.update(dense, g_dense)
     emb_metrics = embed.async_done(started, g_acts, next_batch["ids"], loss)
-  return {"loss": loss, "aux": aux, "emb": emb_metrics}
+  out = {"loss": loss, "aux": aux, "emb": emb_metrics}
+  if embed.emb.dynamic_tables():
+    out["vocab"] = embed.admission.get_value()
+  return out
 
 
 def train_step(
@@ -66,7 +69,10 @@ def train_step(
   Returns:
     {"loss", "aux", "emb": table -> metrics}, as `Trainer.step`.
   """
-  batch, next_batch = emb_update.step_batches(embed.emb.mesh, embed.contexts, batch, next_batch)
+  batch, next_batch = (vocab_step.host_ids(embed.emb, b) for b in (batch, next_batch))
+  batch, next_batch = emb_update.step_batches(
+    embed.emb.mesh, embed.contexts, batch, next_batch, vocab_step.dynamic_features(embed.emb)
+  )
   return _step(embed, dense, optimizer, batch, next_batch)
 
 
@@ -87,7 +93,10 @@ def _evaluate(embed: Embed, dense: nnx.Module, batch):
 
 def evaluate(embed: Embed, dense: nnx.Module, batch):
   """(loss, aux) of `batch` on the current tables, nothing updated."""
-  return _evaluate(embed, dense, emb_update.int32_batch(batch))
+  batch = vocab_step.host_ids(embed.emb, batch)
+  return _evaluate(
+    embed, dense, emb_update.int32_batch(batch, vocab_step.dynamic_features(embed.emb))
+  )
 
 
 def replicate(module: nnx.Module, embed: Embed) -> None:

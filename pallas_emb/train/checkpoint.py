@@ -129,9 +129,17 @@ class Checkpointer:
     Raises:
       CheckpointDirError: the write failed (permissions, full disk...).
       MeshMismatchError: `state` is not on this trainer's mesh.
+      CheckpointError: the state has dynamic tables (not saved here yet).
     """
     tr = self.trainer
     tr.emb.check_on_mesh(state, "the train state")
+    if state.vocabs:
+      raise CheckpointError(
+        f"the state holds the id maps of dynamic tables {sorted(state.vocabs)}, which this "
+        "checkpointer does not save yet; flush the state (trainer.flush) and save its tables "
+        "and maps with pallas_emb.train.checkpoint_vocab.VocabCheckpointer(directory, "
+        "emb).save(step, state.tables, state.vocabs), the dense state beside them."
+      )
     step = int(jax.device_get(state.step))
     pending, lookup_acts = checkpoint_pending.save_items(tr, state, batch_shapes)
     item = {

@@ -29,10 +29,10 @@ COUNTS = (
 )
 
 
-def step_batches(mesh, contexts, batch, next_batch):
+def step_batches(mesh, contexts, batch, next_batch, keep=()):
   """Validates a step's batches; returns them with int32 ids (converted on
   the host for NumPy ids: JAX would wrap NumPy int64 ids as they enter the
-  jitted step).
+  jitted step), but for the features in `keep` (dynamic tables' key words).
 
   Raises:
     PlacementError: ids committed to devices outside `mesh`.
@@ -47,14 +47,16 @@ def step_batches(mesh, contexts, batch, next_batch):
       "lookup of batch t+1; pass the next batch (any batch of the same "
       "shapes at the last step, then flush)."
     )
-  return int32_batch(batch), int32_batch(next_batch)
+  return int32_batch(batch, keep), int32_batch(next_batch, keep)
 
 
-def int32_batch(batch):
-  """`batch` with int32 ids (see `step_batches`); None stays None."""
+def int32_batch(batch, keep=()):
+  """`batch` with int32 ids (see `step_batches`), but for the features in
+  `keep`; None stays None."""
   if not isinstance(batch, Mapping) or "ids" not in batch:
     return batch
-  return {**batch, "ids": int32_ids(batch["ids"])}
+  ids = {k: v if k in keep else int32_ids(v) for k, v in batch["ids"].items()}
+  return {**batch, "ids": ids}
 
 
 def table_metrics(m: Mapping[str, jax.Array], pending, norm, valid) -> dict:

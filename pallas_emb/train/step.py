@@ -13,6 +13,10 @@ Three pipelines, chosen by `TrainConfig`:
 * sync (use_async_emb=False): lookup, backward and sparse update in order,
   with any embedding optimizer.
 
+Dynamic tables (`TableSpec(vocabulary=)`) take raw ids; each step admits a
+batch into their maps before its lookup, in the same program
+(`train.vocab_step`, which says which batch each pipeline admits when).
+
 The dense update is never skipped when an embedding update is (a non-finite
 embedding gradient norm skips only that table's update, as in the
 reference): wrap `dense_tx` in `optax.apply_if_finite` to skip dense steps too.
@@ -35,9 +39,12 @@ import optax
 
 from pallas_emb import async_emb
 from pallas_emb.async_emb import AsyncEmbContextHandle, AsyncEmbGradientUpdate, EmbLookup
+from pallas_emb.dynamic import VocabState
 from pallas_emb.embedding import ShardedEmbedding
+from pallas_emb.errors import InputError
+from pallas_emb.ids import int32_ids
 from pallas_emb.state import TableState
-from pallas_emb.train import emb_update
+from pallas_emb.train import emb_update, vocab_step
 from pallas_emb.train.config import TrainConfig, validate_config
 
 # loss_fn(params, acts, batch) -> (loss, aux): acts maps feature -> embedding.
@@ -57,6 +64,8 @@ class TrainState(NamedTuple):
     lookups: table name -> the started `EmbLookup` of the next batch (async
       and exact pipelines); empty for sync.
     step: () int32 steps taken.
+    vocabs: dynamic table name -> its `VocabState` (the id maps); empty
+      without dynamic tables.
   """
 
   params: Any
@@ -65,6 +74,7 @@ class TrainState(NamedTuple):
   pending: dict[str, AsyncEmbGradientUpdate]
   lookups: dict[str, EmbLookup]
   step: jax.Array
+  vocabs: dict[str, VocabState] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,20 +106,49 @@ class Trainer:
       return _sync_step
     return _exact_step if self.config.exact else _async_step
 
-  def init(self, params, tables: Mapping[str, TableState], batch) -> TrainState:
-    """The state before step 0; starts the lookup of `batch` (async)."""
+  def init(
+    self, params, tables: Mapping[str, TableState], batch, vocabs: Mapping | None = None
+  ) -> TrainState:
+    """The state before step 0; starts the lookup of `batch` (async and
+    exact pipelines, which admit it into the dynamic tables' maps first).
+
+    Args:
+      params: the dense parameters.
+      tables: `emb.init(key)` or restored table states (donated).
+      batch: the first batch.
+      vocabs: `emb.init_vocabularies(key)` (donated), required when the
+        embedding has dynamic tables.
+
+    Raises:
+      InputError: dynamic tables without `vocabs`, or `vocabs` of other
+        tables.
+    """
+    vocabs = self._check_vocabs(vocabs)
+    tables = dict(tables)
     lookups, pending = {}, {}
+    if self.contexts:
+      ids = vocab_step.host_ids(self.emb, batch)["ids"]
+      ids, tables, vocabs, _ = vocab_step.admit(self.emb, tables, vocabs, ids)
+      ids = int32_ids(ids)
     for name, ctx in self.contexts:
-      lookups[name] = async_emb.lookup_start(
-        ctx, tables[name].table, ctx.table_inputs(batch["ids"])
-      )
+      lookups[name] = async_emb.lookup_start(ctx, tables[name].table, ctx.table_inputs(ids))
       pending[name] = async_emb.empty_gradient_update(ctx)
     # Replicated on the mesh, as the step returns them: otherwise the second
     # step would see new input shardings and compile again.
     params, opt_state, step = jax.device_put(
       (params, self.dense_tx.init(params), jnp.zeros((), jnp.int32)), self.emb.sharding(rows=False)
     )
-    return TrainState(params, opt_state, dict(tables), pending, lookups, step)
+    return TrainState(params, opt_state, tables, pending, lookups, step, vocabs)
+
+  def _check_vocabs(self, vocabs) -> dict:
+    want = set(self.emb.dynamic_tables())
+    got = set(vocabs or {})
+    if want != got:
+      raise InputError(
+        f"the embedding's dynamic tables are {sorted(want)}, but vocabs holds "
+        f"{sorted(got)}; pass vocabs=emb.init_vocabularies(key) (or restored maps) to init."
+      )
+    return dict(vocabs or {})
 
   def step(self, state: TrainState, batch, next_batch=None):
     """One training step on `batch` -> (state, metrics). `state` is donated.
@@ -133,7 +172,10 @@ class Trainer:
         trainer's); PlacementError: so do the batches' ids.
     """
     self.emb.check_on_mesh(state, "the train state")
-    batch, next_batch = emb_update.step_batches(self.emb.mesh, self.contexts, batch, next_batch)
+    batch, next_batch = (vocab_step.host_ids(self.emb, b) for b in (batch, next_batch))
+    batch, next_batch = emb_update.step_batches(
+      self.emb.mesh, self.contexts, batch, next_batch, vocab_step.dynamic_features(self.emb)
+    )
     return _jit_step(self, state, batch, next_batch)
 
   def flush(self, state: TrainState):
@@ -144,7 +186,9 @@ class Trainer:
   def evaluate(self, state: TrainState, batch):
     """(loss, aux) of `batch` on the current tables, without updating."""
     self.emb.check_on_mesh(state, "the train state")
-    return _jit_evaluate(self, state, emb_update.int32_batch(batch))
+    batch = vocab_step.host_ids(self.emb, batch)
+    batch = emb_update.int32_batch(batch, vocab_step.dynamic_features(self.emb))
+    return _jit_evaluate(self, state, batch)
 
 
 def make_trainer(
@@ -164,7 +208,8 @@ def make_trainer(
   validate_config(config, emb)
   contexts = ()
   if config.use_async_emb:
-    contexts = tuple(async_emb.context_handles(emb, example_batch["ids"]).items())
+    ids = vocab_step.row_shaped(emb, example_batch["ids"])
+    contexts = tuple(async_emb.context_handles(emb, ids).items())
   return Trainer(emb, loss_fn, dense_tx, config, contexts)
 
 
@@ -179,14 +224,15 @@ def _dense_step(tr: Trainer, params, opt_state, acts, batch):
 def _sync_step(tr: Trainer, state: TrainState, batch, next_batch):
   """Lookup, dense step and sparse update, in order (any optimizer)."""
   del next_batch
-  acts, res = tr.emb.lookup(state.tables, batch["ids"])
+  ids, tables, vocabs, vm = vocab_step.admit(tr.emb, state.tables, state.vocabs, batch["ids"])
+  acts, res = tr.emb.lookup(tables, ids)
   params, opt_state, loss, aux, g_acts = _dense_step(tr, state.params, state.opt_state, acts, batch)
-  tables, m = tr.emb.apply_gradients(state.tables, res, g_acts)
+  tables, m = tr.emb.apply_gradients(tables, res, g_acts)
   emb_metrics = emb_update.sync_metrics(m)
-  return (
-    state._replace(params=params, opt_state=opt_state, tables=tables, step=state.step + 1),
-    {"loss": loss, "aux": aux, "emb": emb_metrics},
+  state = state._replace(
+    params=params, opt_state=opt_state, tables=tables, step=state.step + 1, vocabs=vocabs
   )
+  return state, _metrics(loss, aux, emb_metrics, vm)
 
 
 def _async_step(tr: Trainer, state: TrainState, batch, next_batch):
@@ -204,13 +250,14 @@ def _async_step(tr: Trainer, state: TrainState, batch, next_batch):
     pending[name] = async_emb.make_gradient_update(
       ctx, state.lookups[name], ctx.table_inputs(g_acts)
     )
+  # Batch t+1 into the maps, on the tables step t-1's gradient updated.
+  next_ids, tables, vocabs, vm = vocab_step.admit(tr.emb, tables, state.vocabs, next_batch["ids"])
+  for name, ctx in tr.contexts:
     emb_metrics[name], lookups[name] = emb_update.collect_update(
-      ctx, tables, state.pending[name], started[name], next_batch["ids"], loss
+      ctx, tables, state.pending[name], started[name], next_ids, loss
     )
-  return (
-    TrainState(params, opt_state, tables, pending, lookups, state.step + 1),
-    {"loss": loss, "aux": aux, "emb": tr.emb.metrics_by_table(emb_metrics)},
-  )
+  state = TrainState(params, opt_state, tables, pending, lookups, state.step + 1, vocabs)
+  return state, _metrics(loss, aux, tr.emb.metrics_by_table(emb_metrics), vm)
 
 
 def _exact_step(tr: Trainer, state: TrainState, batch, next_batch):
@@ -221,16 +268,29 @@ def _exact_step(tr: Trainer, state: TrainState, batch, next_batch):
   for name, ctx in tr.contexts:
     acts.update(async_emb.lookup_done(ctx, state.lookups[name]))
   params, opt_state, loss, aux, g_acts = _dense_step(tr, state.params, state.opt_state, acts, batch)
+  updates, started = {}, {}
   for name, ctx in tr.contexts:
-    update = async_emb.make_gradient_update(ctx, state.lookups[name], ctx.table_inputs(g_acts))
-    tables[name], started = emb_update.start_update(ctx, update, tables[name], loss)
-    emb_metrics[name], lookups[name] = emb_update.collect_update(
-      ctx, tables, update, started, next_batch["ids"], loss
+    updates[name] = async_emb.make_gradient_update(
+      ctx, state.lookups[name], ctx.table_inputs(g_acts)
     )
-  return (
-    TrainState(params, opt_state, tables, state.pending, lookups, state.step + 1),
-    {"loss": loss, "aux": aux, "emb": tr.emb.metrics_by_table(emb_metrics)},
-  )
+    tables[name], started[name] = emb_update.start_update(ctx, updates[name], tables[name], loss)
+  # Batch t+1 into the maps, on the tables step t's gradient updated.
+  next_ids, tables, vocabs, vm = vocab_step.admit(tr.emb, tables, state.vocabs, next_batch["ids"])
+  for name, ctx in tr.contexts:
+    emb_metrics[name], lookups[name] = emb_update.collect_update(
+      ctx, tables, updates[name], started[name], next_ids, loss
+    )
+  state = TrainState(params, opt_state, tables, state.pending, lookups, state.step + 1, vocabs)
+  return state, _metrics(loss, aux, tr.emb.metrics_by_table(emb_metrics), vm)
+
+
+def _metrics(loss, aux, emb_metrics, vocab_metrics) -> dict:
+  """A step's metrics; "vocab" (table -> `VocabMetrics` fields) only with
+  dynamic tables."""
+  out = {"loss": loss, "aux": aux, "emb": emb_metrics}
+  if vocab_metrics:
+    out["vocab"] = vocab_metrics
+  return out
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
@@ -254,5 +314,6 @@ def _jit_flush(tr: Trainer, state: TrainState):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _jit_evaluate(tr: Trainer, state: TrainState, batch):
-  acts, _ = tr.emb.lookup(state.tables, batch["ids"])
+  ids = vocab_step.read(tr.emb, state.vocabs, batch["ids"])
+  acts, _ = tr.emb.lookup(state.tables, ids)
   return tr.loss_fn(state.params, acts, batch)
