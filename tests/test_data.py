@@ -179,6 +179,19 @@ def test_synthetic_eval_set_does_not_depend_on_the_batch_size():
   np.testing.assert_array_equal(a, b)
 
 
+def test_movielens_raw_ids_are_the_files_own(tmp_path):
+  # What --vocabulary=dynamic feeds a dynamic table: the file's user and item
+  # ids of each example (padding stays -1); history tokens are not raw ids.
+  path = _write(tmp_path, "u.data", "\n".join("\t".join(map(str, r)) for r in ROWS) + "\n")
+  ml = data.MovieLens.from_file(path, eval_fraction=0.2)
+  ids = ml.train_batch(0, 4)["ids"]
+  users, items = ml.raw_ids("user", ids["user"]), ml.raw_ids("item", ids["item"])
+  got = sorted((int(u), int(i)) for u, i in zip(users[:, 0], items[:, 0]))
+  assert got == sorted((u, i) for u, i, _, ts in ROWS if ts < 1200)  # the 4 training ratings
+  assert ml.raw_ids("user", np.array([[-1, 0]])).tolist() == [[-1, 1]]
+  assert ml.raw_inputs == ("user", "item")
+
+
 def test_movielens_ids_stay_integers_at_any_size(tmp_path):
   # Through float64, 2**53 and 2**53 + 1 are one number, and ids >= 2**63
   # do not fit int64: each must still be its own user.

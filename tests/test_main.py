@@ -13,7 +13,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from absl import flags
+from absl import app, flags
 from conftest import child_env, small_trainer
 
 import pallas_emb as pe
@@ -90,6 +90,29 @@ def test_short_run_learns(tmp_path):
     assert key in report
   assert report["devices"] == 8 and report["async_emb"] is True
   assert report["emb_updates_skipped"] == 0 and report["overflow_ids"] == 0
+
+
+def test_dynamic_vocabulary_trains_evaluates_and_serves(tmp_path):
+  report = _run_in_process(
+    *SMALL,
+    "--steps=20",
+    "--vocabulary=dynamic",
+    "--capacity=4096",
+    f"--export_dir={tmp_path}/served",
+  )
+  vocab = report["vocabularies"]
+  assert set(vocab) == {"user", "item"}  # category stays static
+  assert 0 < vocab["item"]["occupancy"] <= 4096 and vocab["user"]["occupancy"] > 0
+  counts = report["vocabulary_counts"]
+  assert counts["inserts"] >= vocab["item"]["occupancy"] and counts["not_admitted"] > 0
+  assert report["final_train_loss"] < report["initial_train_loss"]
+  # The artifact holds the maps: served logits equal the training lookup's.
+  assert report["serving"]["max_abs_logit_difference"] < 1e-5
+
+
+def test_dynamic_vocabulary_refuses_what_it_does_not_support_yet(tmp_path):
+  with pytest.raises(app.UsageError, match="--checkpoint_dir"):
+    _run_in_process("--vocabulary=dynamic", f"--checkpoint_dir={tmp_path}")
 
 
 def test_every_optimizer_flag_has_a_default_rate_and_ftrl_is_one():

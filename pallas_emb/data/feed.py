@@ -61,10 +61,13 @@ class GlobalBatches:
     dataset: a `Dataset`.
     batch_size: global batch size, a multiple of the process count.
     sharding: the batch sharding (rows over the data axis).
+    words: features whose ids are dynamic tables' (B, L, 2) uint32 key
+      words, placed as they are (other ids become int32).
   """
 
-  def __init__(self, dataset, batch_size: int, sharding: jax.sharding.Sharding):
+  def __init__(self, dataset, batch_size: int, sharding: jax.sharding.Sharding, words=frozenset()):
     self.dataset, self.batch_size, self.sharding = dataset, batch_size, sharding
+    self.words = frozenset(words)
     n = jax.process_count()
     if batch_size % n:
       raise DataError(
@@ -80,7 +83,12 @@ class GlobalBatches:
     batch = {k: v for k, v in batch.items() if k != "true_logit"}
     if "ids" in batch:
       # Converted here on the host, before JAX would wrap int64 ids.
-      batch["ids"] = int32_ids({k: jax.tree.map(np.asarray, v) for k, v in batch["ids"].items()})
+      batch["ids"] = {
+        k: jax.tree.map(np.asarray, v)
+        if k in self.words
+        else int32_ids(jax.tree.map(np.asarray, v))
+        for k, v in batch["ids"].items()
+      }
     n, p = jax.process_count(), jax.process_index()
 
     def one(x):

@@ -97,6 +97,8 @@ class MovieLens:
     window: "evaluation" (the latest ratings) or "validation" (those just
       before them) is evaluated.
     seed: shuffles training examples (per epoch, deterministically).
+    user_raw, item_raw: the file's own id of each user and item index
+      (`raw_ids`), or None.
   """
 
   user: np.ndarray
@@ -110,7 +112,12 @@ class MovieLens:
   num_items: int
   window: str = "evaluation"
   seed: int = 0
+  user_raw: np.ndarray | None = None
+  item_raw: np.ndarray | None = None
   num_dense = 0
+  # The inputs whose ids are raw user or item ids (`raw_ids`); the history
+  # tokens are not (2 * item + liked).
+  raw_inputs = ("user", "item")
 
   @classmethod
   def from_file(
@@ -134,8 +141,8 @@ class MovieLens:
       )
     num_train, end = _split(n, eval_fraction, validation_fraction)
     order = np.argsort(r.timestamp, kind="stable")
-    _, user = np.unique(r.user[order], return_inverse=True)
-    _, item = np.unique(r.item[order], return_inverse=True)
+    user_raw, user = np.unique(r.user[order], return_inverse=True)
+    item_raw, item = np.unique(r.item[order], return_inverse=True)
     ts = r.timestamp[order]
     label = r.rating[order] >= 4
     history = user_histories(user, 2 * item + label, np.ones(n, bool), ts, history_len)
@@ -152,6 +159,8 @@ class MovieLens:
       num_items=int(item.max()) + 1,
       window="validation" if validation_fraction else "evaluation",
       seed=seed,
+      user_raw=user_raw,
+      item_raw=item_raw,
     )
 
   @property
@@ -167,6 +176,15 @@ class MovieLens:
         else []
       ),
     )
+
+  def raw_ids(self, name: str, ids: np.ndarray) -> np.ndarray:
+    """The file's own ids of input `name`'s ("user" or "item") indices
+    `ids` (-1 stays -1); other inputs' ids as they are (int64)."""
+    raw = {"user": self.user_raw, "item": self.item_raw}.get(name)
+    ids = np.asarray(ids)
+    if raw is None:
+      return ids.astype(np.int64)
+    return np.where(ids >= 0, raw[np.maximum(ids, 0)], -1)
 
   @property
   def train_size(self) -> int:

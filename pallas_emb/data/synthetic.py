@@ -69,6 +69,10 @@ class SyntheticClickLog:
   eval_examples: int = 16_384
   seed: int = 0
 
+  # The inputs whose ids are raw user or item ids (a dynamic table's,
+  # `pallas_emb.job.vocabularies`); this log's ids are its raw ids.
+  raw_inputs = ("user", "item", "history")
+
   @property
   def features(self) -> tuple[FeatureInfo, ...]:
     return (

@@ -13,7 +13,8 @@ import pallas_emb as pe
 from pallas_emb import data as data_lib
 from pallas_emb.data.dlrm import DlrmClickLog
 from pallas_emb.data.feed import GlobalBatches
-from pallas_emb.job.factorization import build_factorization
+from pallas_emb.job import vocabularies
+from pallas_emb.job.factorization import build_factorization, factorization_features
 from pallas_emb.job.flags import FLAGS, embedding_optimizer
 from pallas_emb.job.model import build_ranking
 
@@ -69,17 +70,31 @@ def build(mesh: jax.sharding.Mesh) -> Job:
     "stacking": FLAGS.stacking,
   }
   if kind == "factorization":
-    emb, model, inputs = build_factorization(dataset, mesh, **common)
+    features, sources = factorization_features(dataset)
+    options = vocabularies.table_options(dataset, features, sources)
+    emb, model, inputs = build_factorization(dataset, mesh, table_options=options, **common)
   else:
-    (emb, model), inputs = build_ranking(dataset, mesh, **common), dataset
+    features, sources = dataset.features, {f.name: f.name for f in dataset.features}
+    options = vocabularies.table_options(dataset, features, sources)
+    (emb, model), inputs = build_ranking(dataset, mesh, table_options=options, **common), dataset
+  words = {
+    f.name: (sources[f.name], emb.table_spec(f.table).vocabulary)
+    for f in features
+    if f.table in emb.dynamic_tables()
+  }
+  if words:
+    inputs = vocabularies.KeyWordInputs(inputs, dataset, words)
   config = pe.TrainConfig(use_async_emb=FLAGS.async_emb, exact=FLAGS.exact_emb and FLAGS.async_emb)
-  feeder = GlobalBatches(inputs, FLAGS.batch_size, emb.sharding())
+  feeder = GlobalBatches(inputs, FLAGS.batch_size, emb.sharding(), words=frozenset(words))
   trainer = pe.make_trainer(
     emb, model.loss, optax.adam(FLAGS.dense_learning_rate), config, feeder.train(0)
   )
   key = jax.random.key(FLAGS.seed)
   state = trainer.init(
-    model.init(jax.random.fold_in(key, 1)), emb.init(jax.random.fold_in(key, 2)), feeder.train(0)
+    model.init(jax.random.fold_in(key, 1)),
+    emb.init(jax.random.fold_in(key, 2)),
+    feeder.train(0),
+    vocabs=emb.init_vocabularies(jax.random.fold_in(key, 3)),
   )
   return Job(dataset, inputs, kind, emb, config, feeder, trainer, state, steps)
 

@@ -125,8 +125,12 @@ def build_factorization(
   axis: str = "x",
   stacking="auto",
   l2: float = 0.01,
+  table_options: Mapping[str, Mapping] | None = None,
 ):
   """The tables and the model for a ratings dataset.
+
+  `table_options`: table name -> further `TableSpec` arguments (a
+  vocabulary, "num_rows"), over the others.
 
   Returns:
     (ShardedEmbedding, Factorization, FeatureInputs): the inputs give each
@@ -141,13 +145,15 @@ def build_factorization(
   tables = []
   for f in features:
     bias = f.table.endswith("_bias")
+    options = dict((table_options or {}).get(f.table, {}))
     tables.append(
       TableSpec(
         f.table,
-        f.num_rows,
+        options.pop("num_rows", f.num_rows),
         1 if bias else emb_dim,
         optimizer=optimizer,
         initializer=zeros if bias else small_normal,
+        **options,
       )
     )
   specs = [FeatureSpec(f.name, f.table, f.combiner) for f in features]

@@ -115,6 +115,26 @@ flags.DEFINE_enum(
   ["auto", "off"],
   "Store tables of equal dim and optimizer as one (pallas_emb.stacking) or each alone.",
 )
+flags.DEFINE_enum(
+  "vocabulary",
+  "static",
+  ["static", "dynamic"],
+  "static: a row per id of the data; dynamic: the user and item tables take the data's raw ids, "
+  "admitted into --capacity rows as they arrive (pallas_emb.DynamicVocabulary).",
+)
+flags.DEFINE_integer(
+  "capacity", 0, "--vocabulary=dynamic: rows of each dynamic table (0: the static table's rows)."
+)
+flags.DEFINE_integer(
+  "admit_after", 2, "--vocabulary=dynamic: occurrences of an id before it takes a row."
+)
+flags.DEFINE_enum(
+  "policy",
+  "lfu",
+  ["lfu", "lru"],
+  "--vocabulary=dynamic: which resident id loses its row to a new one (least frequently or "
+  "least recently used).",
+)
 flags.DEFINE_string("checkpoint_dir", None, "Directory for orbax checkpoints.")
 flags.DEFINE_integer(
   "checkpoint_every", 0, "Checkpoint every N steps (0: only at the end, if --checkpoint_dir)."

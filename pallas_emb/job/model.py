@@ -92,7 +92,7 @@ def build_ranking(
     hidden: MLP hidden widths.
     dtype: every table's dtype.
     table_options: table name -> further `TableSpec` arguments (e.g.
-      capacities), over the arguments above.
+      capacities, a vocabulary, "num_rows"), over the arguments above.
     stacking: `ShardedEmbedding.stacking`.
 
   Returns:
@@ -110,7 +110,8 @@ def build_ranking(
       "dtype": dtype,
       **dict((table_options or {}).get(f.table, {})),
     }
-    tables.setdefault(f.table, TableSpec(f.table, f.num_rows, **options))
+    rows = options.pop("num_rows", f.num_rows)
+    tables.setdefault(f.table, TableSpec(f.table, rows, **options))
   features = [FeatureSpec(f.name, f.table, f.combiner) for f in dataset.features]
   emb = ShardedEmbedding(tuple(tables.values()), features, mesh, axis, backend, stacking)
   model = RankingModel(

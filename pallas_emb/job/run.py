@@ -31,12 +31,12 @@ from absl import logging
 from pallas_emb import shard_kernels
 from pallas_emb.data.base import DataError
 from pallas_emb.errors import PallasEmbError
-from pallas_emb.job import distributed, evaluation, host_memory
+from pallas_emb.job import distributed, evaluation, host_memory, vocabularies
 from pallas_emb.job.build import Job, build
 from pallas_emb.job.distributed import log
 from pallas_emb.job.flags import FLAGS
 from pallas_emb.job.loop import Loop, train
-from pallas_emb.job.run_log import RunLog
+from pallas_emb.job.run_log import VOCAB_COUNTS, RunLog
 from pallas_emb.train.best_eval import BestEval
 from pallas_emb.train.checkpoint import Checkpointer
 from pallas_emb.train.checkpoint_dir import check_writable
@@ -82,7 +82,9 @@ def _describe(job: Job, mesh) -> str:
     f"{FLAGS.optimizer}, {job.model} model, {job.steps} steps, "
     + (f"evaluating the {job.dataset.window} window, " if hasattr(job.dataset, "window") else "")
     + "tables "
-    + ", ".join(f"{t.name}:{t.num_rows}x{t.dim}" for t in emb.tables)
+    + ", ".join(
+      f"{t.name}:{t.num_rows}x{t.dim}" + (" (dynamic)" if t.vocabulary else "") for t in emb.tables
+    )
     + f" stored as {len(emb.table_names)} physical tables (--stacking={FLAGS.stacking})"
   )
 
@@ -107,6 +109,7 @@ def _train_watched(job: Job, loop: Loop, start: int, data_state):
 def run(argv=()) -> dict:
   """Trains per FLAGS and returns the report."""
   del argv
+  vocabularies.check_flags()
   if FLAGS.checkpoint_dir:
     check_writable(FLAGS.checkpoint_dir)  # before anything compiles
   _process_settings()
@@ -172,7 +175,7 @@ def _export(emb, state):
 
   import pallas_emb as pe  # pylint: disable=g-import-not-at-top
 
-  path = pe.export_serving(emb, state.tables, FLAGS.export_dir)
+  path = pe.export_serving(emb, state.tables, FLAGS.export_dir, vocabularies=state.vocabs or None)
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices("pallas_emb serving export")
   if jax.process_index() != 0:
@@ -214,6 +217,10 @@ def _report(job: Job, loop: Loop, trained, ev: dict, baselines, mesh) -> dict:
     # Which form (kernels.forms) runs each physical table's update and
     # owners' gather at this batch.
     "kernel_forms": shard_kernels.embedding_forms(job.emb, job.batch_shapes),
+    # Dynamic tables (--vocabulary=dynamic): the last step's metrics of each,
+    # and the run's sums of their inserts, evictions, not admitted, failed.
+    "vocabularies": loop.log.vocab,
+    "vocabulary_counts": {k: counters[k] for k in VOCAB_COUNTS if k in counters},
     "emb_updates_skipped": counters["skipped"],
     "invalid_ids": counters["invalid"],
     "overflow_ids": counters["overflow"],

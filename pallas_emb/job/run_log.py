@@ -20,6 +20,8 @@ import jax
 # The first steps of a run compile their programs; the steady-state rate
 # leaves them out.
 WARMUP_STEPS = 2
+# A dynamic table's per-step counts that the run sums (`VocabMetrics`).
+VOCAB_COUNTS = ("inserts", "evictions", "not_admitted", "failed")
 
 
 class RunLog:
@@ -42,6 +44,7 @@ class RunLog:
     # Seconds per phase but "compile" and "training" (`phases`).
     self._phases: dict[str, float] = {}
     self._warmup_steps, self._warmup = 0, 0.0
+    self.vocab: dict[str, dict[str, int]] = {}  # the latest step's, by dynamic table
     self.writer = None
     if tensorboard_dir and jax.process_index() == 0:
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
@@ -63,10 +66,17 @@ class RunLog:
       self.counters["skipped"] += int(tm["skipped"])
       self.counters["invalid"] += int(tm["invalid_ids"])
       self.counters["overflow"] += int(tm["overflow_ids"])
+    self.vocab = {t: {k: int(v) for k, v in vm.items()} for t, vm in m.get("vocab", {}).items()}
+    for vm in self.vocab.values():
+      for k in VOCAB_COUNTS:
+        self.counters[k] = self.counters.get(k, 0) + vm[k]
     if self.writer is not None:
       self.writer.add_scalar("train/loss", float(m["loss"]), step)
       for name, tm in m["emb"].items():
         self.writer.add_scalar(f"emb/{name}/grad_norm", float(tm["grad_norm"]), step)
+      for name, vm in self.vocab.items():
+        for k, v in vm.items():
+          self.writer.add_scalar(f"vocab/{name}/{k}", v, step)
 
   @property
   def step_seconds(self) -> float:
@@ -112,7 +122,9 @@ class RunLog:
 
   def line(self, step: int, loss: float, norms: str) -> str:
     """The progress line: step, loss, steps/s, examples/s (steady state and
-    cumulative), ETA."""
+    cumulative), ETA; with dynamic tables, each one's occupancy (the
+    latest step's) and inserts, evictions, ids not admitted and failed
+    inserts (the run's sums)."""
     sps = self.steps / self.seconds if self.seconds else float("nan")
     left = (self.total_steps - step) / sps if self.seconds else float("nan")
     eta = time.strftime("%H:%M:%S", time.gmtime(left)) if left == left else "?"
@@ -120,6 +132,8 @@ class RunLog:
       f"step {step:6d}/{self.total_steps}  loss {loss:.4f}  {sps:7.2f} steps/s  "
       f"{(self.rate or float('nan')):9.0f} ex/s (cumulative {self.cumulative_rate:.0f})  "
       f"ETA {eta}  emb grad norm {norms}  skipped {self.counters['skipped']}"
+      + "".join(f"  vocab {t} occupancy {vm['occupancy']}" for t, vm in self.vocab.items())
+      + ("  " + " ".join(f"{k} {self.counters[k]}" for k in VOCAB_COUNTS) if self.vocab else "")
     )
 
   def phases_line(self) -> str:
