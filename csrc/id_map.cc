@@ -118,7 +118,7 @@ ffi::Error KeyPlan(ffi::Buffer<ffi::U32> hi_buf, ffi::Buffer<ffi::U32> lo_buf,
 }
 
 // A sketch row is halved once it holds width / kSketchSampleDivisor
-// increments (id_map.SKETCH_SAMPLE_DIVISOR).
+// increments (sharding.sketch.SKETCH_SAMPLE_DIVISOR).
 constexpr int64_t kSketchSampleDivisor = 4;
 
 uint32_t SketchCell(uint32_t hi, uint32_t lo, uint32_t d, uint32_t width) {
@@ -228,8 +228,8 @@ int32_t StepMap(const MapArrays& map, int32_t step, const uint32_t* recv_hi,
       s.estimate[u] = s.u_cnt[u];
     }
   }
-  // 4. Admission: the sketch halved if full (id_map.age_sketch), every waiting
-  // key counted in it, then estimated.
+  // 4. Admission: the sketch halved if full (sharding.sketch.age_sketch),
+  // every waiting key counted in it, then estimated.
   if (depth > 0) {
     int64_t fullest = 0;
     for (int64_t d = 0; d < depth; ++d) {

@@ -23,7 +23,7 @@ One step (`translate`), on every device:
    `decay`; ids idle for `ttl` steps or more evicted); resident keys are
    found in their window (count += occurrences, last = step); the others
    are counted in the count-min sketch (first halved, if full:
-   `age_sketch`), and those whose estimate reaches `admit_after` are
+   `sharding.sketch.age_sketch`), and those whose estimate reaches `admit_after` are
    inserted: in round r = 0..P-1 each one still waiting
    claims slot home + r if it is free, the lowest rank winning a slot
    claimed twice; those left take the policy's victim in their window
@@ -48,23 +48,19 @@ rows (`sharding.probe_window`). Evaluation (`train=False`) reads only.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sharding import insert_rounds, key_route, map_slots, probe_window, reorder
+from sharding import eviction, insert_rounds, key_route, map_slots, probe_window, reorder
 from sharding.key_route import PAD
 from sharding.layout import RowLayout
+from sharding.map_impl import MapImpl, OwnerStep
+from sharding.sketch import age_sketch, sketch_slots
 
 MISS = -2  # a token's row when it has none (-1 is padding, as the static path's)
-# A sketch row is halved once it holds width / SKETCH_SAMPLE_DIVISOR increments.
-SKETCH_SAMPLE_DIVISOR = 4
-_MUL1, _MUL2 = np.uint32(0x85EBCA6B), np.uint32(0xC2B2AE35)
-_SALTS = np.array([0x9E3779B9, 0x7F4A7C15, 0xF39CC060, 0x5CEDC834, 0x1B873593, 0xCC9E2D51,
-                   0xE6546B64, 0x27D4EB2F], np.uint32)  # fmt: skip
 
 
 class IdMap(NamedTuple):
@@ -114,18 +110,6 @@ class Translation(NamedTuple):
   misses: jax.Array
 
 
-def sketch_slots(hi, lo, depth: int, width: int):
-  """(depth, n) counter of each key in each sketch row (NumPy or JAX)."""
-  xp = np if isinstance(hi, np.ndarray) else jnp
-  out = []
-  for d in range(depth):
-    x = (hi ^ _SALTS[d % len(_SALTS)]) * _MUL1
-    x = (x ^ lo ^ np.uint32(d)) * _MUL2
-    x = x ^ (x >> np.uint32(16))
-    out.append((x % np.uint32(width)).astype(xp.int32))
-  return xp.stack(out) if out else xp.zeros((0, hi.shape[0]), xp.int32)
-
-
 def init_map(num_shards: int, capacity: int, depth: int, width: int) -> IdMap:
   """An empty map, global shapes (host NumPy arrays)."""
   n = num_shards * capacity
@@ -137,57 +121,6 @@ def init_map(num_shards: int, capacity: int, depth: int, width: int) -> IdMap:
     sketch=np.zeros((num_shards * max(depth, 1), width if depth else 1), np.int32),
     step=np.zeros((), np.int32),
   )
-
-
-def sketch_sample(width: int) -> int:
-  """Increments a sketch row may hold before it is halved (`age_sketch`)."""
-  return max(width // SKETCH_SAMPLE_DIVISOR, 1)
-
-
-def age_sketch(sketch):
-  """The sketch halved (every counter, rounded down) when its fullest row
-  holds `sketch_sample(width)` or more: TinyLFU's reset. A row then never
-  holds more than a quarter of its width plus one step's increments, so a
-  counter another key shares reads 1/4 on average however long the stream
-  (without it a full sketch reads every key as seen). (depth, width) int32,
-  NumPy or JAX; the native map (csrc/id_map.cc) does the same."""
-  xp = np if isinstance(sketch, np.ndarray) else jnp
-  full = xp.max(xp.sum(sketch, axis=1)) >= sketch_sample(sketch.shape[1])
-  return xp.where(full, sketch >> 1, sketch)
-
-
-def _victims(last, count, inside, step, *, policy: str, ttl):
-  """(has, lane, least) the policy's victim in each window, from the
-  windows' (n, W) `last` and `count`: the lane of the least count (lfu) /
-  least recent step, ties to the earlier place in the window (lanes are in
-  window order); `least` (lfu) the victim's count, read here rather than
-  gathered from `count` by lane."""
-  ok = inside & (last >= 0) & (last < step - 1)
-  if policy == "ttl":
-    ok &= step - last >= ttl
-  tie, least = ok, None
-  if policy == "lfu":
-    c = jnp.where(ok, count, jnp.inf)
-    least = jnp.min(c, axis=1, keepdims=True)
-    tie = ok & (c == least)
-  lst = jnp.where(tie, last, np.iinfo(np.int32).max)
-  tie &= lst == jnp.min(lst, axis=1, keepdims=True)
-  has, lane = jnp.any(ok, axis=1), jnp.argmax(tie, axis=1).astype(jnp.int32)
-  return has, lane, None if least is None else least[:, 0]
-
-
-def _sweep(m: IdMap, *, policy, evict_every, decay, ttl):
-  """(map, evicted) after the periodic sweep, if this step has one."""
-  if evict_every is None:
-    return m, jnp.zeros((), jnp.int32)
-  now = (m.step > 0) & (m.step % evict_every == 0)
-  count = m.count
-  if policy == "lfu" and decay != 1:
-    count = jnp.where(now, count * jnp.float32(decay), count)
-  gone = jnp.zeros(m.last.shape, bool)
-  if ttl is not None:
-    gone = now & (m.last >= 0) & (m.step - m.last >= ttl)
-  return m._replace(count=count, last=jnp.where(gone, -1, m.last)), jnp.sum(gone, dtype=jnp.int32)
 
 
 def _take(m: IdMap, slot, win, hi, lo, count, step, capacity) -> IdMap:
@@ -203,52 +136,85 @@ def _take(m: IdMap, slot, win, hi, lo, count, step, capacity) -> IdMap:
   )
 
 
-class OwnerStep(NamedTuple):
-  """What an owner's step yields (`owner_step`, or an `OwnerStepImpl`).
+class _Keys(NamedTuple):
+  """The distinct keys an owner received, in rank order, (n,) each, and
+  their probe windows."""
 
-  Attributes:
-    map: the owner's new `IdMap`.
-    slot: (n,) int32 local slot of each distinct key received, in rank
-      order; -1 for none.
-    slot_uid: (n,) int32 rank of each received slot's key, -1 for an empty
-      slot.
-    reset: (n,) int32 local slots given a new key this step, in rank order,
-      then -1.
-    evictions, inserts, not_admitted, failed: () int32 this owner's counts.
-  """
+  hi: jax.Array
+  lo: jax.Array
+  count: jax.Array  # occurrences this step
+  valid: jax.Array  # a key, not padding
+  uid: jax.Array  # rank of each received slot's key (`OwnerStep.slot_uid`)
+  home: jax.Array  # home slot
+  window: probe_window.Windows
 
-  map: IdMap
-  slot: jax.Array
-  slot_uid: jax.Array
-  reset: jax.Array
-  evictions: jax.Array
-  inserts: jax.Array
-  not_admitted: jax.Array
-  failed: jax.Array
+  def read(self, x):
+    """(n, W) values of per-slot array x in each key's window."""
+    return probe_window.read(self.window, x)
 
 
-# An owner's step computed elsewhere (the native CPU kernels): called as
-# `owner_step` is, it returns the same bits, as `OwnerStep`'s fields in order
-# (a tuple will do; its map one of `IdMap`'s arrays).
-OwnerStepImpl = Callable[..., OwnerStep]
-# A source's `key_route.plan` before its all_to_alls: (hi, lo, valid,
-# num_shards=, capacity=) -> (token_slot, send_hi, send_lo, send_count).
-PlanImpl = Callable[..., tuple[jax.Array, jax.Array, jax.Array, jax.Array]]
-# A one-shard map's whole step computed elsewhere, the plan, the owner's step
-# and the answers in one call: (m, hi, lo, valid, usable, key_capacity=,
-# train=, **policy) -> (map, token_slot (T,) int32 each token's local slot or
-# -1, then `OwnerStep`'s reset, evictions, inserts, not_admitted, failed).
-OneShardImpl = Callable[..., tuple]
+def _received(m: IdMap, hi, lo, count, probe_limit: int, lane_dense: bool) -> _Keys:
+  """Phase 1: the received keys deduplicated (occurrences summed), their
+  home slots and windows."""
+  u_hi, u_lo, u_cnt, u_valid, uid = key_route.distinct(hi, lo, count)
+  capacity = m.key_hi.shape[0]
+  home = (u_lo % np.uint32(capacity)).astype(jnp.int32)
+  dense = lane_dense and probe_window.fits_lanes(capacity, probe_limit)
+  w = probe_window.windows(home, capacity, probe_limit, dense)
+  return _Keys(u_hi, u_lo, u_cnt, u_valid, uid, home, w)
 
 
-class MapImpl(NamedTuple):
-  """A map's step computed elsewhere, the same bits (the native CPU
-  kernels): the source's plan, the owner's step, and optionally a
-  one-shard map's whole step, which replaces both on a one-shard axis."""
+def _match(m: IdMap, k: _Keys) -> jax.Array:
+  """(n,) the slot holding each key, -1 for none."""
+  w = k.window
+  match = w.inside & (k.read(m.last) >= 0) & (k.read(m.key_hi) == k.hi[:, None])
+  match &= (k.read(m.key_lo) == k.lo[:, None]) & k.valid[:, None]
+  return jnp.max(jnp.where(match, w.pos, -1), axis=1)  # one lane at most matches
 
-  plan: PlanImpl
-  owner_step: OwnerStepImpl
-  one_shard: OneShardImpl | None = None
+
+def _admission(m: IdMap, k: _Keys, waiting, admit_after: int):
+  """(map, admitted, estimate): the waiting keys counted in the sketch
+  (aged first), and those whose estimate reaches `admit_after`."""
+  if admit_after <= 1:
+    return m, waiting, k.count
+  depth, width = m.sketch.shape
+  cells = sketch_slots(k.hi, k.lo, depth, width)
+  inc = jnp.where(waiting, k.count, 0)
+  rows = jnp.broadcast_to(jnp.arange(depth)[:, None], cells.shape)
+  sketch = age_sketch(m.sketch).at[rows, cells].add(jnp.broadcast_to(inc, cells.shape))
+  estimate = jnp.min(sketch[rows, cells], axis=0)
+  return m._replace(sketch=sketch), waiting & (estimate >= admit_after), estimate
+
+
+def _free_slots(m: IdMap, k: _Keys, admitted, usable, probe_limit: int):
+  """(won, last): the slot each admitted key claims in the insertion rounds
+  (-1: none), and the windows' `last` they and the victims read.
+
+  The map as this step's inserts find it (they write it once, at the end):
+  a slot is free if it was at the step's start and no round has claimed it;
+  a victim must have been used, not in this step or the last. One read of
+  `last` for both: a read before the rounds for the free slots and another
+  after them for the victims moved fewer bytes, but XLA then kept one more
+  (n, 128) array (v5e:2x2 pod_check at 4,096 examples per chip: 431.9
+  against 381.9 MiB temp)."""
+  capacity, w = m.key_hi.shape[0], k.window
+  last = k.read(m.last)
+  empty = last < 0 if usable is None else (last < 0) & k.read(usable)
+  free = probe_window.window_bits(w, empty, probe_limit)
+  won = insert_rounds.insert(free, k.home, admitted, capacity, probe_limit, w.rows is not None)
+  return won, last
+
+
+def _victim_slots(k: _Keys, last, count, waiting, estimate, step, capacity, *, policy, ttl):
+  """((n,) bool the keys still `waiting` that take their window's victim,
+  (n,) the victims' slots), from the windows' `last` and `count`."""
+  has, lane, least = eviction.victims(last, count, k.window.inside, step, policy=policy, ttl=ttl)
+  s = probe_window.slot_of(k.window, lane, capacity)
+  if policy == "lfu":  # a one-off never pushes out a more frequent id
+    has &= least <= estimate.astype(jnp.float32)
+  # Victims are held slots, the rounds' free ones: no claim of theirs
+  # competes with a round's.
+  return reorder.first_claims(s, waiting & has, capacity), s
 
 
 def owner_step(
@@ -274,78 +240,54 @@ def owner_step(
   the slots whose physical row holds a logical row (None: every slot; on
   a TPU a read of a constant costs as much as any other). `lane_dense`: read the
   probe windows as 128-lane rows where the map allows (a TPU's way;
-  `sharding.probe_window`), the same results."""
-  u_hi, u_lo, u_cnt, u_valid, slot_uid = key_route.distinct(recv_hi, recv_lo, recv_count)
-  n, capacity = u_hi.shape[0], m.key_hi.shape[0]
-  home = (u_lo % np.uint32(capacity)).astype(jnp.int32)
-  w = probe_window.windows(
-    home, capacity, probe_limit, lane_dense and probe_window.fits_lanes(capacity, probe_limit)
-  )
-  read = functools.partial(probe_window.read, w)
+  `sharding.probe_window`), the same results.
+
+  Phases: receive (dedup, windows); sweep; match; admission (sketch);
+  insertion rounds into free slots; victims for the rest; one write of the
+  map."""
+  k = _received(m, recv_hi, recv_lo, recv_count, probe_limit, lane_dense)
+  n, capacity = k.hi.shape[0], m.key_hi.shape[0]
   zero = jnp.zeros((), jnp.int32)
-  evicted = inserts = not_admitted = failed = zero
+  if not train:
+    reset = jnp.full((n,), -1, jnp.int32)
+    return OwnerStep(m, _match(m, k), k.uid, reset, zero, zero, zero, zero)
   step = m.step
-  if train:
-    m, evicted = _sweep(m, policy=policy, evict_every=evict_every, decay=decay, ttl=ttl)
-  match = w.inside & (read(m.last) >= 0) & (read(m.key_hi) == u_hi[:, None])
-  match &= (read(m.key_lo) == u_lo[:, None]) & u_valid[:, None]
-  slot = jnp.max(jnp.where(match, w.pos, -1), axis=1)  # one lane at most matches
+  count, last, evicted = eviction.sweep(
+    m.count, m.last, m.step, policy=policy, evict_every=evict_every, decay=decay, ttl=ttl
+  )
+  m = m._replace(count=count, last=last)
+  slot = _match(m, k)
   found = slot >= 0
-  reset = jnp.full((n,), -1, jnp.int32)
-  if train:
-    # Resident keys are used now, so no insert takes their slots as victims;
-    # their counts are written at the end, with the new keys' (one scatter
-    # per array: on a TPU each costs per index, whatever it writes).
-    m = m._replace(last=m.last.at[jnp.where(found, slot, capacity)].set(step, mode="drop"))
-    waiting = u_valid & ~found
-    if admit_after > 1:
-      depth, width = m.sketch.shape
-      cells = sketch_slots(u_hi, u_lo, depth, width)
-      inc = jnp.where(waiting, u_cnt, 0)
-      rows = jnp.broadcast_to(jnp.arange(depth)[:, None], cells.shape)
-      sketch = age_sketch(m.sketch).at[rows, cells].add(jnp.broadcast_to(inc, cells.shape))
-      m = m._replace(sketch=sketch)
-      estimate = jnp.min(sketch[rows, cells], axis=0)
-      admitted = waiting & (estimate >= admit_after)
-    else:
-      admitted, estimate = waiting, u_cnt
-    not_admitted = jnp.sum(waiting & ~admitted, dtype=jnp.int32)
-    # The map as this step's inserts find it (they write it once, at the
-    # end): a slot is free if it was at the step's start and no round has
-    # claimed it; a victim must have been used, not in this step or the last.
-    # One read of `last` for both: a read before the rounds for the free
-    # slots and another after them for the victims moved fewer bytes, but
-    # XLA then kept one more (n, 128) array (v5e:2x2 pod_check at 4,096
-    # examples per chip: 431.9 against 381.9 MiB temp).
-    last = read(m.last)
-    empty = last < 0 if usable is None else (last < 0) & read(usable)
-    free = probe_window.window_bits(w, empty, probe_limit)
-    won = insert_rounds.insert(free, home, admitted, capacity, probe_limit, w.rows is not None)
-    slot = jnp.where(won >= 0, won, slot)
-    left = admitted & (won < 0)
-    count = read(m.count)  # here, not before the rounds: one (n, W) array fewer through them
-    if evict_on_insert:
-      has, lane, least = _victims(last, count, w.inside, step, policy=policy, ttl=ttl)
-      s = probe_window.slot_of(w, lane, capacity)
-      if policy == "lfu":  # a one-off never pushes out a more frequent id
-        has &= least <= estimate.astype(jnp.float32)
-      # Victims are held slots, the rounds' free ones: no claim of theirs
-      # competes with a round's.
-      win = reorder.first_claims(s, left & has, capacity)
-      slot = jnp.where(win, s, slot)
-      left &= ~win
-      evicted += jnp.sum(win, dtype=jnp.int32)
-    new = admitted & ~left
-    held = jnp.sum(
-      jnp.where(w.inside & (w.pos == slot[:, None]) & found[:, None], count, 0), axis=1
-    )
-    cnt = u_cnt.astype(jnp.float32)
-    m = _take(m, slot, new | found, u_hi, u_lo, jnp.where(found, held + cnt, cnt), step, capacity)
-    reset = reorder.compact(new, slot, n, -1)
-    inserts = jnp.sum(new, dtype=jnp.int32)
-    failed = jnp.sum(left, dtype=jnp.int32)
-    m = m._replace(step=step + 1)
-  return OwnerStep(m, slot, slot_uid, reset, evicted, inserts, not_admitted, failed)
+  # Resident keys are used now, so no insert takes their slots as victims;
+  # their counts are written at the end, with the new keys' (one scatter per
+  # array: on a TPU each costs per index, whatever it writes).
+  m = m._replace(last=m.last.at[jnp.where(found, slot, capacity)].set(step, mode="drop"))
+  waiting = k.valid & ~found
+  m, admitted, estimate = _admission(m, k, waiting, admit_after)
+  won, last = _free_slots(m, k, admitted, usable, probe_limit)
+  slot = jnp.where(won >= 0, won, slot)
+  left = admitted & (won < 0)
+  count = k.read(m.count)  # here, not before the rounds: one (n, W) array fewer through them
+  if evict_on_insert:
+    win, s = _victim_slots(k, last, count, left, estimate, step, capacity, policy=policy, ttl=ttl)
+    slot = jnp.where(win, s, slot)
+    left &= ~win
+    evicted += jnp.sum(win, dtype=jnp.int32)
+  new = admitted & ~left
+  w = k.window
+  held = jnp.sum(jnp.where(w.inside & (w.pos == slot[:, None]) & found[:, None], count, 0), axis=1)
+  cnt = k.count.astype(jnp.float32)
+  m = _take(m, slot, new | found, k.hi, k.lo, jnp.where(found, held + cnt, cnt), step, capacity)
+  return OwnerStep(
+    m._replace(step=step + 1),
+    slot,
+    k.uid,
+    reorder.compact(new, slot, n, -1),
+    evicted,
+    jnp.sum(new, dtype=jnp.int32),
+    jnp.sum(waiting & ~admitted, dtype=jnp.int32),
+    jnp.sum(left, dtype=jnp.int32),
+  )
 
 
 def translate(

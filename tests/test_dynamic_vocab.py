@@ -16,7 +16,7 @@ from pallas_emb import dynamic
 from pallas_emb.errors import InputError, SpecError
 from pallas_emb.kernels import native_lib
 from pallas_emb.vocabulary import DynamicVocabulary, raw_ids, vocab_keys
-from sharding.id_map import sketch_slots
+from sharding.sketch import sketch_slots
 
 B, L = 8, 2
 
@@ -232,7 +232,7 @@ def test_an_aged_sketch_keeps_the_frequent_ids_of_a_long_zipf_stream():
 
 
 def test_a_full_sketch_is_halved_before_it_counts():
-  from sharding.id_map import age_sketch, sketch_sample
+  from sharding.sketch import age_sketch, sketch_sample
 
   full = np.full((2, 64), 1, np.int32)  # 64 in a row: at least the sample
   assert sketch_sample(64) == 16

@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from sharding import map_slots
-from sharding.id_map import sketch_slots
 from sharding.layout import RowLayout
+from sharding.sketch import sketch_slots
 
 PAD_KEY = 2**64 - 1
 
