@@ -92,14 +92,16 @@ def test_short_run_learns(tmp_path):
   assert report["emb_updates_skipped"] == 0 and report["overflow_ids"] == 0
 
 
-def test_dynamic_vocabulary_trains_evaluates_and_serves(tmp_path):
-  report = _run_in_process(
-    *SMALL,
-    "--steps=20",
-    "--vocabulary=dynamic",
-    "--capacity=4096",
-    f"--export_dir={tmp_path}/served",
-  )
+def test_dynamic_vocabulary_trains_checkpoints_resumes_evaluates_and_serves(tmp_path):
+  dynamic = [*SMALL, "--vocabulary=dynamic", "--capacity=4096"]
+  report = _run_in_process(*dynamic, "--steps=20", f"--export_dir={tmp_path}/served")
+  # Stopped at step 10 and resumed: the maps come back with the tables, and
+  # the run ends where the uninterrupted one did.
+  _run_in_process(*dynamic, "--steps=10", f"--checkpoint_dir={tmp_path}/ckpt")
+  resumed = _run_in_process(*dynamic, "--steps=20", f"--checkpoint_dir={tmp_path}/ckpt", "--resume")
+  assert resumed["final_train_loss"] == report["final_train_loss"]
+  assert resumed["eval_auc"] == report["eval_auc"]
+  assert resumed["vocabularies"] == report["vocabularies"]
   vocab = report["vocabularies"]
   assert set(vocab) == {"user", "item"}  # category stays static
   assert 0 < vocab["item"]["occupancy"] <= 4096 and vocab["user"]["occupancy"] > 0
@@ -110,9 +112,9 @@ def test_dynamic_vocabulary_trains_evaluates_and_serves(tmp_path):
   assert report["serving"]["max_abs_logit_difference"] < 1e-5
 
 
-def test_dynamic_vocabulary_refuses_what_it_does_not_support_yet(tmp_path):
-  with pytest.raises(app.UsageError, match="--checkpoint_dir"):
-    _run_in_process("--vocabulary=dynamic", f"--checkpoint_dir={tmp_path}")
+def test_dynamic_vocabulary_refuses_row_ids():
+  with pytest.raises(app.UsageError, match="--workload=dlrm"):
+    _run_in_process("--vocabulary=dynamic", "--workload=dlrm")
 
 
 def test_every_optimizer_flag_has_a_default_rate_and_ftrl_is_one():

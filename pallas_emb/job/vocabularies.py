@@ -31,13 +31,11 @@ def check_flags() -> None:
   compiles."""
   if FLAGS.vocabulary != "dynamic":
     return
-  unsupported = [
-    (FLAGS.workload == "dlrm", "--workload=dlrm (its ids are synthetic row ids)"),
-    (bool(FLAGS.checkpoint_dir), "--checkpoint_dir (the trainer's checkpoints hold no id maps)"),
-  ]
-  for bad, what in unsupported:
-    if bad:
-      raise app.UsageError(f"--vocabulary=dynamic does not support {what} yet; drop one.")
+  if FLAGS.workload == "dlrm":
+    raise app.UsageError(
+      "--vocabulary=dynamic does not support --workload=dlrm (its ids are row ids, not raw "
+      "ids); use --workload=default."
+    )
   if FLAGS.capacity < 0:
     raise app.UsageError(f"--capacity={FLAGS.capacity} must be >= 0 (0: the static rows).")
 

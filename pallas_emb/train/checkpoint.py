@@ -16,7 +16,9 @@ gradient of the async pipeline and the started lookup of the next batch
   before padded storage (no "padded_rows" in its metadata) is padded as
   it is restored;
 * the pending update and the lookup's embeddings are saved per logical
-  table and feature, in batch order; routing plans are not saved.
+  table and feature, in batch order; routing plans are not saved;
+* dynamic tables' id maps are saved with them (`checkpoint_maps`: on
+  another shard count they are re-inserted, and rows move with their ids).
 
 A trainer of the same pipeline and batch shapes restores the pending update
 as it was: a run restored onto the same mesh continues bit for bit as if
@@ -46,7 +48,7 @@ from pallas_emb import state as state_lib
 from pallas_emb.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from pallas_emb.inputs import token_shape
 from pallas_emb.state import TableState
-from pallas_emb.train import checkpoint_pending
+from pallas_emb.train import checkpoint_maps, checkpoint_pending, vocab_step
 from pallas_emb.train.checkpoint_dir import CheckpointDir, StepUnreadable
 from pallas_emb.train.step import Trainer, TrainState
 from sharding.layout import RowLayout
@@ -129,17 +131,9 @@ class Checkpointer:
     Raises:
       CheckpointDirError: the write failed (permissions, full disk...).
       MeshMismatchError: `state` is not on this trainer's mesh.
-      CheckpointError: the state has dynamic tables (not saved here yet).
     """
     tr = self.trainer
     tr.emb.check_on_mesh(state, "the train state")
-    if state.vocabs:
-      raise CheckpointError(
-        f"the state holds the id maps of dynamic tables {sorted(state.vocabs)}, which this "
-        "checkpointer does not save yet; flush the state (trainer.flush) and save its tables "
-        "and maps with pallas_emb.train.checkpoint_vocab.VocabCheckpointer(directory, "
-        "emb).save(step, state.tables, state.vocabs), the dense state beside them."
-      )
     step = int(jax.device_get(state.step))
     pending, lookup_acts = checkpoint_pending.save_items(tr, state, batch_shapes)
     item = {
@@ -150,7 +144,10 @@ class Checkpointer:
       "lookup_acts": lookup_acts,
       "step": state.step,
     }
+    if state.vocabs:  # absent otherwise, as in checkpoints written before maps were saved
+      item["vocabs"] = checkpoint_maps.save_item(state.vocabs)
     meta = {
+      checkpoint_maps.META: sorted(state.vocabs),
       "step": step,
       "num_shards": tr.emb.num_shards,
       "tables": {
@@ -232,27 +229,37 @@ class Checkpointer:
       try:
         meta = self.dir.read_meta(s)
         self._check_compatible(meta, s)
-        as_saved = self._as_saved(meta, batch_at(s))
+        # Rows that move (dynamic tables on another shard count) take the
+        # pending update with them: it is applied at restore.
+        as_saved = self._as_saved(meta, batch_at(s)) and not checkpoint_maps.resharded(tr.emb, meta)
         item = self.dir.read_state(s, self._target(template, meta, as_saved, s), meta)
       except StepUnreadable as e:
         skipped.append((s, str(e)))
         log.warning("checkpoint step %d in %s is not intact, skipped: %s", s, self.directory, e)
         continue
+      vocabs, moved, row_maps = checkpoint_maps.restore(tr.emb, item, meta)
       tables = tr.emb.from_member_states(
-        {name: self._table(name, meta, d) for name, d in item["tables"].items()}
+        {
+          name: TableState(**moved[name]) if name in moved else self._table(name, meta, d)
+          for name, d in item["tables"].items()
+        }
       )
+      translate = checkpoint_maps.translator(tr.emb, vocabs)
       if as_saved:
         pending, lookups = checkpoint_pending.restore_as_saved(
-          tr, tables, item, meta["batch_shapes"], batch_at, s
+          tr, tables, item, meta["batch_shapes"], batch_at, s, translate
         )
       else:
         self._check_flushable(meta, item, s)
-        tables = checkpoint_pending.apply_saved(tr.emb, tables, item["pending"])
-        pending, lookups = checkpoint_pending.restore_flushed(tr, tables, batch_at, s)
+        saved = checkpoint_maps.move_pending(tr.emb, item["pending"], row_maps)
+        tables = checkpoint_pending.apply_saved(tr.emb, tables, saved)
+        pending, lookups = checkpoint_pending.restore_flushed(tr, tables, batch_at, s, translate)
       if self.dir.writable:
         for bad, _ in skipped:
           self.dir.quarantine(bad)
-      state = TrainState(item["params"], item["opt_state"], tables, pending, lookups, item["step"])
+      state = TrainState(
+        item["params"], item["opt_state"], tables, pending, lookups, item["step"], vocabs
+      )
       return Restored(state, s, meta, tuple(skipped))
     reasons = "; ".join(f"step {s}: {why}" for s, why in skipped)
     raise CheckpointCorruptError(
@@ -311,7 +318,7 @@ class Checkpointer:
     else:
       host = self.dir.host_target(step)
       pending, lookup_acts = host.get("pending", {}), host.get("lookup_acts", {})
-    return {
+    target = {
       "params": jax.tree.map(_abstract, template.params),
       "opt_state": jax.tree.map(_abstract, template.opt_state),
       "tables": tables,
@@ -319,6 +326,9 @@ class Checkpointer:
       "lookup_acts": lookup_acts,
       "step": _abstract(template.step),
     }
+    if meta.get(checkpoint_maps.META):
+      target["vocabs"] = checkpoint_maps.target(tr.emb, template.vocabs, meta)
+    return target
 
   def _table(self, name: str, meta: dict, d: dict) -> TableState:
     """A restored table on this mesh, resharded if its layout changed."""
@@ -342,7 +352,8 @@ class Checkpointer:
     """Whether the pending update restores as saved: the same pipeline and
     batch shapes (otherwise it is applied at restore)."""
     cfg = self.trainer.config
-    shapes = {k: list(token_shape(v)) for k, v in batch["ids"].items()}
+    ids = vocab_step.row_shaped(self.trainer.emb, batch["ids"])  # key words: their rows' shape
+    shapes = {k: list(token_shape(v)) for k, v in ids.items()}
     return (meta["use_async_emb"], meta["exact"]) == (cfg.use_async_emb, cfg.exact) and all(
       shapes.get(k) == v for k, v in meta["batch_shapes"].items()
     )

@@ -138,17 +138,21 @@ def device_targets(trainer, template, batch_shapes: Mapping[str, Any]) -> tuple[
   return pending, lookup_acts
 
 
-def restore_as_saved(trainer, tables, item, batch_shapes, batch_at, step):
+def restore_as_saved(trainer, tables, item, batch_shapes, batch_at, step, translate=None):
   """(pending, lookups) of a checkpoint of this trainer's own pipeline and
   batch shapes: the saved update, routed again on this mesh from the batch
-  at `step - 1`, and the saved embeddings of the lookup of batch `step`."""
+  at `step - 1` (a dynamic table's from its saved rows), and the saved
+  embeddings of the lookup of batch `step` (its ids through `translate`,
+  `checkpoint_maps.translator`)."""
   pending, lookups = {}, {}
   if not trainer.contexts:
     return pending, lookups
   pending_batch, next_batch = batch_at(step - 1), batch_at(step)
+  next_ids = (translate or (lambda ids: ids))(next_batch["ids"])
+  dynamic = set(trainer.emb.dynamic_tables())
   for name, ctx in trainer.contexts:
     logical = members(trainer.emb, name)
-    started = async_emb.lookup_start(ctx, tables[name].table, ctx.table_inputs(next_batch["ids"]))
+    started = async_emb.lookup_start(ctx, tables[name].table, ctx.table_inputs(next_ids))
     lookups[name] = started._replace(
       acts={k: v for t in logical for k, v in item["lookup_acts"][t].items()}
     )
@@ -159,7 +163,11 @@ def restore_as_saved(trainer, tables, item, batch_shapes, batch_at, step):
     flag = item["pending"][logical[0]]["pending"]
     grads = {k: v for t in logical for k, v in item["pending"][t]["grads"].items()}
     names, _ = token_layout(ctx.features, batch_shapes)
-    routed = programs.plan(ctx.sharded_table, tuple(pending_batch["ids"][n] for n in names))
+    ids = pending_batch["ids"]
+    if name in dynamic:  # the rows the update applies, as saved
+      saved = item["pending"][name]["ids"]
+      ids = {n: jax.device_put(saved[n], trainer.emb.sharding()) for n in names}
+    routed = programs.plan(ctx.sharded_table, tuple(ids[n] for n in names))
     pending[name] = async_emb.AsyncEmbGradientUpdate.from_residuals(
       routed,
       _to_devices(grads, names, ctx.group_size, trainer.emb.sharding()),
@@ -210,12 +218,13 @@ def apply_saved(emb: ShardedEmbedding, tables: dict, saved: Mapping) -> dict:
   return tables
 
 
-def restore_flushed(trainer, tables, batch_at, step):
+def restore_flushed(trainer, tables, batch_at, step, translate=None):
   """(pending, lookups) after `apply_saved`: nothing pending, and the
-  lookup of batch `step` started on the updated tables."""
+  lookup of batch `step` (its ids through `translate`) started on the
+  updated tables."""
   pending, lookups = {}, {}
   if trainer.contexts:
-    next_ids = batch_at(step)["ids"]
+    next_ids = (translate or (lambda ids: ids))(batch_at(step)["ids"])
     for name, ctx in trainer.contexts:
       lookups[name] = async_emb.lookup_start(ctx, tables[name].table, ctx.table_inputs(next_ids))
       pending[name] = async_emb.empty_gradient_update(ctx)

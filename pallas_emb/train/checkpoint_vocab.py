@@ -244,47 +244,71 @@ class VocabCheckpointer:
     return {"tables": tables, "vocabs": vocabs}
 
   def _place(self, name: str, table, slots, step) -> dict:
-    """A table's host arrays, stored for this mesh, placed on it."""
-    rows = self.emb.table_sharding(name)
-    return {
-      "table": jax.device_put(table, rows),
-      "slots": {k: jax.device_put(x, rows) for k, x in slots.items()},
-      "step": jax.device_put(np.asarray(step, np.int32), self.emb.sharding(rows=False)),
-    }
+    return place_table(self.emb, name, table, slots, step)
 
   def _reinsert(
     self, name: str, ts: dict, vocab: dict, old: RowLayout, new: RowLayout, spread: bool
   ):
-    """(table, vocab) of dynamic table `name` for layout `new`: its map
-    re-inserted (`id_map_reshard.reshard`), each kept id's row and slots
-    moved from its slot's row under `old` (spread or not, see `_reshard`)."""
-    spec = self.emb.table_spec(name)
-    v, rps = spec.vocabulary, new.rows_per_shard
-    sketch = id_map.init_map(new.num_shards, rps, v.depth(), v.width_for(rps)).sketch.shape
-    m, source_slots, dropped = id_map_reshard.reshard(
-      IdMap(**vocab["map"]), new, min(v.probe_limit, rps), sketch
-    )
-    kept = np.flatnonzero(source_slots >= 0)
-    self.resharded[name] = {"kept": int(kept.size), "dropped": dropped}
-    # Each kept id's row and slots move from its old slot's row to its new
-    # slot's (`map_slots`: a slot is a row of its shard, spread or not).
-    moved = map_slots.physical_rows(new, kept)
-    source = source_slots[kept]
-    if spread:
-      source = map_slots.physical_rows(old, source)
-    # Rows nobody holds are reset when an id takes them: zeros, fresh slots.
-    rows = packing.table_rows(np.asarray(ts["table"]), spec.dim, spec.dtype)
-    table = np.zeros((new.num_physical_rows, rows.shape[1]), rows.dtype)
-    table[moved] = rows[source]
-    specs, slots = spec.optimizer.slot_specs(), {}
-    for k, x in ts["slots"].items():
-      flat = specs[k].as_rows(np.asarray(x), spec.dim)
-      out = np.full((new.num_physical_rows, flat.shape[1]), specs[k].init, flat.dtype)
-      out[moved] = flat[source]
-      slots[k] = specs[k].as_stored(out, spec.dim, rps)
-    stored = packing.table_stored(table, spec.dim, spec.dtype, rps)
-    where = IdMap(*(self.emb.sharding(rows=s == dynamic.ROWS) for s in dynamic.MAP_SPECS))
-    return self._place(name, stored, slots, ts["step"]), {
-      "map": {k: jax.device_put(x, s) for (k, x), s in zip(m._asdict().items(), where)},
-      "key": jax.device_put(np.asarray(vocab["key"], np.uint32), self.emb.sharding(rows=False)),
-    }
+    """(table, vocab) of dynamic table `name` for layout `new` (`reinsert`)."""
+    table, vocab, _, self.resharded[name] = reinsert(self.emb, name, ts, vocab, old, new, spread)
+    return table, vocab
+
+
+def place_table(emb, name: str, table, slots, step) -> dict:
+  """A table's host arrays, stored for `emb`'s mesh, placed on it."""
+  rows = emb.table_sharding(name)
+  return {
+    "table": jax.device_put(table, rows),
+    "slots": {k: jax.device_put(x, rows) for k, x in slots.items()},
+    "step": jax.device_put(np.asarray(step, np.int32), emb.sharding(rows=False)),
+  }
+
+
+def reinsert(emb, name: str, ts: dict, vocab: dict, old: RowLayout, new: RowLayout, spread: bool):
+  """Dynamic table `name` of `emb` moved from layout `old` to `new`.
+
+  Its map is re-inserted (`id_map_reshard.reshard`), and each kept id's row
+  and slots move from its slot's row under `old` to its new slot's row
+  (`map_slots`: a slot is a row of its shard; `spread`: the saved slots
+  were spread, else slot j was row j). Rows nobody holds are zeros with
+  fresh slots (an id taking one resets it).
+
+  Args:
+    ts: {"table", "slots", "step"} host arrays stored as under `old`.
+    vocab: {"map": `IdMap` fields, "key"} host arrays of `old`'s shards.
+
+  Returns:
+    (table dict and vocab dict placed on `emb`'s mesh, (old.num_rows,)
+    int32 each old logical row's new logical row, -1 where its id was
+    dropped or it held none, {"kept": ids kept, "dropped": ids dropped}).
+  """
+  spec = emb.table_spec(name)
+  v, rps = spec.vocabulary, new.rows_per_shard
+  sketch = id_map.init_map(new.num_shards, rps, v.depth(), v.width_for(rps)).sketch.shape
+  m, source_slots, dropped = id_map_reshard.reshard(
+    IdMap(**vocab["map"]), new, min(v.probe_limit, rps), sketch
+  )
+  kept = np.flatnonzero(source_slots >= 0)
+  moved = map_slots.physical_rows(new, kept)
+  source = source_slots[kept]
+  if spread:
+    source = map_slots.physical_rows(old, source)
+  rows = packing.table_rows(np.asarray(ts["table"]), spec.dim, spec.dtype)
+  table = np.zeros((new.num_physical_rows, rows.shape[1]), rows.dtype)
+  table[moved] = rows[source]
+  specs, slots = spec.optimizer.slot_specs(), {}
+  for k, x in ts["slots"].items():
+    flat = specs[k].as_rows(np.asarray(x), spec.dim)
+    out = np.full((new.num_physical_rows, flat.shape[1]), specs[k].init, flat.dtype)
+    out[moved] = flat[source]
+    slots[k] = specs[k].as_stored(out, spec.dim, rps)
+  row_map = np.full((old.num_rows,), -1, np.int32)
+  row_map[old.logical_of(source)] = new.logical_of(moved)
+  stored = packing.table_stored(table, spec.dim, spec.dtype, rps)
+  where = IdMap(*(emb.sharding(rows=s == dynamic.ROWS) for s in dynamic.MAP_SPECS))
+  placed = {
+    "map": {k: jax.device_put(x, s) for (k, x), s in zip(m._asdict().items(), where)},
+    "key": jax.device_put(np.asarray(vocab["key"], np.uint32), emb.sharding(rows=False)),
+  }
+  stats = {"kept": int(kept.size), "dropped": dropped}
+  return place_table(emb, name, stored, slots, ts["step"]), placed, row_map, stats
