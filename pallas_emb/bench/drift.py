@@ -14,20 +14,22 @@ standard normal fixed per id: the model must learn a score per id.
 
 The model: logit = sum of the id's embedding row (dim D, initialised near
 zero), binary cross-entropy summed over the batch, Adagrad (lr 0.05) on the
-table. Three tables, trained on the same
-batches:
+table, trained by a `Trainer` (the default, asynchronous pipeline, as a
+user would; `--sync` for the synchronous one). Three tables, trained on the
+same batches:
 
 * dynamic: R rows, `DynamicVocabulary` (LFU, probe limit 16, sweeps every
-  4 steps evicting ids idle for 16), raw ids through `ShardedEmbedding.admit`;
+  4 steps evicting ids idle for 16), raw ids admitted in the step;
 * hashed: R rows, `pe.hash_ids(raw, R)` (rows shared by colliding ids);
 * oracle: one row per id of the whole stream (k itself), no collision.
 
 AUC is progressive: each batch is scored by the step that trains on it,
-from the table before its update, over the second half of the stream.
-Step time is the median over the second half of each method's jitted step,
-interleaved step by step (dynamic: admit + lookup + gradient + update in
-one program; the static tables: lookup + gradient + update), the host-side
-conversion of raw ids (`vocab_keys`, `hash_ids`) excluded. `main` first
+from the table before that step's update, over the second half of the
+stream. Step time is the median over the second half of each method's
+`Trainer.step`, interleaved step by step (dynamic: the admission, lookup,
+gradient and update in one program; the static tables: the same without
+the admission), the batches placed on the device first: the host-side
+conversion of raw ids (`vocab_keys`, `hash_ids`) is not timed. `main` first
 keeps freed heap memory (`pallas_emb.job.host_memory.keep_freed_memory`),
 as the main job and benchmark do on CPU.
 """
@@ -41,6 +43,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 import pallas_emb as pe
 from pallas_emb.job import host_memory
@@ -63,32 +66,16 @@ def stream(steps: int, batch: int, live: int, shift: int, seed: int = 0):
   return _splitmix(k)[..., None], k[..., None], labels.astype(np.float32)
 
 
-def _grad(acts, labels):
-  logits = jnp.sum(acts, axis=-1)
-  p = jax.nn.sigmoid(logits)
-  return (p - labels)[:, None] * jnp.ones_like(acts), logits  # summed loss
+def _trainer(emb, name: str, config, example):
+  """A `Trainer` of table `name` alone, no dense parameters: logit = the sum
+  of the id's row, binary cross-entropy summed over the batch."""
 
+  def loss_fn(params, acts, batch):
+    del params
+    logits = jnp.sum(acts[name], axis=-1)
+    return jnp.sum(optax.sigmoid_binary_cross_entropy(logits, batch["label"])), {"logits": logits}
 
-_grad = jax.jit(_grad)
-
-
-def _step(emb, name: str):
-  """One jitted training step of table `name` (the whole of it: admit,
-  lookup, gradient, update), its states donated."""
-
-  def train(tables, ids, y):
-    acts, res = emb.lookup(tables, {name: ids})
-    g, logits = _grad(acts[name], y)
-    return emb.apply_gradients(tables, res, {name: g})[0], logits
-
-  def dynamic(tables, vocabs, words, y):
-    rows, tables, vocabs, vm = emb.admit(tables, vocabs, {name: words})
-    tables, logits = train(tables, rows[name], y)
-    return tables, vocabs, logits, vm[name].occupancy
-
-  if emb.table_spec(name).vocabulary is not None:
-    return jax.jit(dynamic, donate_argnums=(0, 1))
-  return jax.jit(train, donate_argnums=0)
+  return pe.make_trainer(emb, loss_fn, optax.sgd(0.0), config, example)
 
 
 def _small_init(key, shape, dtype=np.float32):
@@ -96,7 +83,18 @@ def _small_init(key, shape, dtype=np.float32):
   return 0.01 * jax.random.normal(key, shape, dtype)
 
 
-def run(rows: int, steps: int, batch: int, dim: int = 16, live: int | None = None, shift=None):
+def run(
+  rows: int,
+  steps: int,
+  batch: int,
+  dim: int = 16,
+  live: int | None = None,
+  shift=None,
+  config: pe.TrainConfig | None = None,
+):
+  """The benchmark's result (a JSON-able dict); `config` the pipeline
+  (default `TrainConfig()`, asynchronous)."""
+  config = config or pe.TrainConfig()
   live = live or 2 * rows
   shift = shift or max(1, (10 * rows - live) // steps)  # ~10x the capacity in distinct ids
   raw, k, labels = stream(steps, batch, live, shift)
@@ -119,22 +117,26 @@ def run(rows: int, steps: int, batch: int, dim: int = 16, live: int | None = Non
     "hashed": pe.hash_ids(raw, rows),
     "oracle": k.astype(np.int32),
   }
-  steps_of = {n: _step(emb, n) for n, emb in embs.items()}
+  put = lambda n, t: jax.device_put(
+    {"ids": {n: ids[n][min(t, steps - 1)]}, "label": labels[min(t, steps - 1)]}
+  )
+  trainers = {n: _trainer(e, n, config, put(n, 0)) for n, e in embs.items()}
+  states = {
+    n: trainers[n].init({}, tables[n], put(n, 0), vocabs if n == "dynamic" else None) for n in embs
+  }
   scores = {n: [] for n in embs}
   times = {n: [] for n in embs}
   for t in range(steps):
-    y = jax.device_put(labels[t])
-    for n in embs:
-      x = jax.device_put(ids[n][t])
-      jax.block_until_ready((x, y))
+    for n, tr in trainers.items():
+      now, nxt = put(n, t), put(n, t + 1)
+      jax.block_until_ready((now, nxt))
       start = time.perf_counter()
-      if n == "dynamic":
-        tables[n], vocabs, logits, occupancy = steps_of[n](tables[n], vocabs, x, y)
-      else:
-        tables[n], logits = steps_of[n](tables[n], x, y)
-      jax.block_until_ready((tables[n], logits))
+      states[n], m = tr.step(states[n], now, nxt)
+      jax.block_until_ready((states[n], m))
       times[n].append(time.perf_counter() - start)
-      scores[n].append(np.asarray(logits))
+      scores[n].append(np.asarray(m["aux"]["logits"]))
+      if n == "dynamic":
+        occupancy = m["vocab"][n]["occupancy"]
   half = steps // 2
   lab = labels[half:].ravel()
   out = {
@@ -144,6 +146,7 @@ def run(rows: int, steps: int, batch: int, dim: int = 16, live: int | None = Non
     "dim": dim,
     "distinct_ids": int(np.unique(k).size),
     "platform": jax.devices()[0].platform,
+    "pipeline": "async" if config.use_async_emb else "sync",
     "final_occupancy": int(occupancy),
     "methods": {
       n: {
@@ -165,11 +168,13 @@ def main(argv=None):
   ap.add_argument("--batch", type=int, default=4096)
   ap.add_argument("--dim", type=int, default=16)
   ap.add_argument("--json", default=None)
+  ap.add_argument("--sync", action="store_true", help="the synchronous pipeline")
   a = ap.parse_args(argv)
   # A training process on CPU keeps freed heap memory (as the main job and
   # benchmark do): XLA:CPU allocates each step's temporaries afresh.
   tuned = host_memory.keep_freed_memory()
-  out = dict(run(a.rows, a.steps, a.batch, a.dim), keep_freed_memory=tuned)
+  config = pe.TrainConfig(use_async_emb=not a.sync)
+  out = dict(run(a.rows, a.steps, a.batch, a.dim, config=config), keep_freed_memory=tuned)
   print(json.dumps(out, indent=1))
   if a.json:
     with open(a.json, "w") as f:
