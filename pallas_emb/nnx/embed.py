@@ -19,9 +19,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from pallas_emb import async_emb
+from pallas_emb.dynamic import VocabMetrics
 from pallas_emb.embedding import ShardedEmbedding
 from pallas_emb.errors import InputError
 from pallas_emb.ids import int32_ids
@@ -116,7 +118,14 @@ class Embed(nnx.Module):
       vocabs = emb.init_vocabularies(key)
     self.emb, self.config = emb, config
     self.vocab = EmbVocab(dict(vocabs or {}))
-    self.admission = EmbAdmission({})
+    # Zeros until the first admission, in the shape every later one has:
+    # the jitted step then sees one structure of state.
+    self.admission = EmbAdmission(
+      jax.device_put(
+        {n: {k: jnp.zeros((), jnp.int32) for k in VocabMetrics._fields} for n in vocabs or {}},
+        emb.sharding(rows=False),
+      )
+    )
     self.table = EmbTable({n: t.table for n, t in tables.items()})
     self.slots = EmbSlots({n: dict(t.slots) for n, t in tables.items()})
     self.step = EmbStep({n: t.step for n, t in tables.items()})
