@@ -63,8 +63,10 @@ def row_shaped(emb, ids: Mapping[str, Any]) -> dict[str, Any]:
   out = dict(ids)
   for name in dynamic_features(emb):
     if name in out:
-      x = np.asarray(ids_of(out[name]))
-      shape = x.shape[:-1] if x.dtype == np.uint32 else x.shape
+      x = ids_of(out[name])
+      if not hasattr(x, "shape"):  # a list; global device arrays are read by shape only
+        x = np.asarray(x)
+      shape = x.shape[:-1] if np.dtype(x.dtype) == np.uint32 else x.shape
       out[name] = with_ids(out[name], np.zeros(shape, np.int32))
   return out
 
