@@ -71,6 +71,7 @@ def test_readme_results_are_the_benchmark_json():
 
   load = lambda name: json.load(open(os.path.join(REPO, "docs", "benchmarks", name)))
   assert report.summary_table(load("forms_v5e.json"), load("w1w2.json")) in README
+  assert report.drift_table(load("drift_trainer.json")) in README
 
 
 def test_every_public_name_has_a_reference_page():

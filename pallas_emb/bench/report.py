@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 
 BEGIN, END = "<!-- bench:results -->", "<!-- /bench:results -->"
 MAX_LOAD_PER_CORE = 0.5
@@ -224,6 +225,28 @@ def summary_table(chip: dict, cpu: dict) -> str:
       f"N = {w['ids']:,} | {_ms(med['fused'])} | {_ms(med['fused_xla'])} | "
       f"{_ms(med['fbgemm'])} (FBGEMM) | {med['fused'] / med['fused_xla']:.2f} | "
       f"{med['fused'] / med['fbgemm']:.2f} |"
+    )
+  return "\n".join(rows)
+
+
+def drift_table(result: dict) -> str:
+  """README's drift table: per pipeline, the median over runs of each
+  table's AUC and step and of the dynamic / hashed step ratio (from
+  `docs/benchmarks/drift_trainer.json`, runs of `bench.drift`)."""
+  rows = [
+    "| where | pipeline | dynamic AUC | hashed AUC | oracle AUC | dynamic / hashed step |",
+    "| --- | --- | ---: | ---: | ---: | ---: |",
+  ]
+  median = lambda xs: float(statistics.median(xs))
+  for pipeline in ("async", "sync"):
+    runs = [r for r in result["runs"] if r["pipeline"] == pipeline]
+    auc = {
+      n: median([r["methods"][n]["auc"] for r in runs]) for n in ("dynamic", "hashed", "oracle")
+    }
+    ratio = median([r["dynamic_over_hashed_step_time"] for r in runs])
+    rows.append(
+      f"| CPU, {runs[0]['steps']} steps of {runs[0]['batch']:,}, {len(runs)} runs | {pipeline} | "
+      f"{auc['dynamic']:.3f} | {auc['hashed']:.3f} | {auc['oracle']:.3f} | {ratio:.2f} |"
     )
   return "\n".join(rows)
 
