@@ -83,12 +83,8 @@ class GlobalBatches:
     batch = {k: v for k, v in batch.items() if k != "true_logit"}
     if "ids" in batch:
       # Converted here on the host, before JAX would wrap int64 ids.
-      batch["ids"] = {
-        k: jax.tree.map(np.asarray, v)
-        if k in self.words
-        else int32_ids(jax.tree.map(np.asarray, v))
-        for k, v in batch["ids"].items()
-      }
+      ids = {k: jax.tree.map(np.asarray, v) for k, v in batch["ids"].items()}
+      batch["ids"] = {k: v if k in self.words else int32_ids(v) for k, v in ids.items()}
     n, p = jax.process_count(), jax.process_index()
 
     def one(x):

@@ -12,11 +12,12 @@ places words, not int32 ids, on the devices.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import numpy as np
 from absl import app
 
+from pallas_emb.job.feature_inputs import BatchMap
 from pallas_emb.job.flags import FLAGS
 from pallas_emb.vocabulary import DynamicVocabulary, vocab_keys
 
@@ -69,7 +70,7 @@ def table_options(dataset, features, sources: Mapping[str, str]) -> dict[str, di
   }
 
 
-class KeyWordInputs:
+class KeyWordInputs(BatchMap):
   """`inputs` (a dataset, or `FeatureInputs`) whose `words` features' ids
   are the key words of their raw ids (`dataset.raw_ids(input, ids)` where
   the dataset has it, else the ids themselves); other attributes are the
@@ -82,27 +83,16 @@ class KeyWordInputs:
   """
 
   def __init__(self, inputs, dataset, words: Mapping[str, tuple[str, DynamicVocabulary]]):
-    self.inputs, self.dataset, self.words = inputs, dataset, dict(words)
+    self.source, self.dataset, self.words = inputs, dataset, dict(words)
 
-  def __getattr__(self, name):
-    return getattr(self.inputs, name)
+  def __getattr__(self, name):  # the inputs' features, sizes, window
+    if name == "source":  # not set yet (a copy being made): no recursion
+      raise AttributeError(name)
+    return getattr(self.source, name)
 
-  def _keyed(self, batch: dict) -> dict:
+  def _map(self, batch: dict) -> dict:
     raw_ids = getattr(self.dataset, "raw_ids", lambda _, ids: np.asarray(ids, np.int64))
     ids = dict(batch["ids"])
     for feature, (source, vocab) in self.words.items():
       ids[feature] = vocab_keys(raw_ids(source, np.asarray(ids[feature])), vocab)
     return {**batch, "ids": ids}
-
-  def train_rows(self, index: int, batch_size: int, lo: int, hi: int) -> dict:
-    return self._keyed(self.inputs.train_rows(index, batch_size, lo, hi))
-
-  def train_batch(self, index: int, batch_size: int) -> dict:
-    return self.train_rows(index, batch_size, 0, batch_size)
-
-  def eval_rows(self, index: int, batch_size: int, lo: int, hi: int) -> dict:
-    return self._keyed(self.inputs.eval_rows(index, batch_size, lo, hi))
-
-  def eval_batches(self, batch_size: int) -> Iterator[dict]:
-    for batch in self.inputs.eval_batches(batch_size):
-      yield self._keyed(batch)

@@ -60,19 +60,6 @@ class EmbAdmission(nnx.Variable):
   """dynamic table name -> `VocabMetrics` fields of the latest admission."""
 
 
-def _on_mesh(tree, emb: ShardedEmbedding):
-  """`tree` with every array off the mesh (the empty update's scalar flag)
-  replicated on it: a checkpoint restores each array onto the devices of
-  its template, and the step needs them all on the mesh."""
-  devices = set(emb.mesh.devices.flat)
-  return jax.tree.map(
-    lambda x: (
-      x if x.sharding.device_set == devices else jax.device_put(x, emb.sharding(rows=False))
-    ),
-    tree,
-  )
-
-
 class Embed(nnx.Module):
   """Row-sharded embedding tables as NNX state, looked up in `__call__`.
 
@@ -147,9 +134,7 @@ class Embed(nnx.Module):
       first_ids = int32_ids(first_ids)
       self._set_tables(tables)
       self.vocab.set_value(vocabs)
-      self.pending = EmbPending(
-        {n: _on_mesh(async_emb.empty_gradient_update(c), emb) for n, c in self.contexts}
-      )
+      self.pending = EmbPending({n: async_emb.empty_gradient_update(c) for n, c in self.contexts})
       self.next_lookup = EmbNextLookup(
         {
           n: async_emb.lookup_start(c, tables[n].table, c.table_inputs(first_ids))
@@ -230,36 +215,32 @@ class Embed(nnx.Module):
   def async_done(self, started, grads, next_ids, gate) -> dict:
     """Async: defers this step's gradient, collects the started update and
     starts the lookup of `next_ids` -> table name -> metrics."""
-    tables, metrics = self.tables, {}
     old, lookups = self.pending.get_value(), self.next_lookup.get_value()
-    pending, next_lookup = {}, {}
-    for name, ctx in self.contexts:
-      pending[name] = async_emb.make_gradient_update(ctx, lookups[name], ctx.table_inputs(grads))
-    self._set_tables(tables)
-    next_ids, tables = self.admit(next_ids), self.tables
-    for name, ctx in self.contexts:
-      metrics[name], next_lookup[name] = emb_update.collect_update(
-        ctx, tables, old[name], started[name], next_ids, gate
-      )
+    pending = {
+      name: async_emb.make_gradient_update(ctx, lookups[name], ctx.table_inputs(grads))
+      for name, ctx in self.contexts
+    }
     self.pending.set_value(pending)
-    self.next_lookup.set_value(next_lookup)
-    return metrics
+    return self._collect(old, started, next_ids, gate)
 
   def exact_update(self, grads, next_ids, gate) -> dict:
     """Exact: applies this step's gradient, then starts the lookup of
     `next_ids` -> table name -> metrics."""
-    tables, metrics, next_lookup, updates, started = self.tables, {}, {}, {}, {}
+    tables, updates, started = self.tables, {}, {}
     lookups = self.next_lookup.get_value()
     for name, ctx in self.contexts:
       updates[name] = async_emb.make_gradient_update(ctx, lookups[name], ctx.table_inputs(grads))
       tables[name], started[name] = emb_update.start_update(ctx, updates[name], tables[name], gate)
     self._set_tables(tables)
-    next_ids, tables = self.admit(next_ids), self.tables
-    for name, ctx in self.contexts:
-      metrics[name], next_lookup[name] = emb_update.collect_update(
-        ctx, tables, updates[name], started[name], next_ids, gate
-      )
-    self._set_tables(tables)
+    return self._collect(updates, started, next_ids, gate)
+
+  def _collect(self, updates, started, next_ids, gate) -> dict:
+    """Admits `next_ids` (after the started updates), collects the updates
+    and starts the lookup of `next_ids` -> table name -> metrics."""
+    next_ids = self.admit(next_ids)
+    metrics, next_lookup = emb_update.collect_updates(
+      self.contexts, self.tables, updates, started, next_ids, gate
+    )
     self.next_lookup.set_value(next_lookup)
     return metrics
 

@@ -23,10 +23,8 @@ import numpy as np
 
 from pallas_emb.dynamic import VocabState
 from pallas_emb.train import vocab_step
-from pallas_emb.train.checkpoint_vocab import reinsert
-from sharding import id_map
+from pallas_emb.train.checkpoint_vocab import layouts, reinsert, saved_vocab
 from sharding.id_map import IdMap
-from sharding.layout import RowLayout
 
 META = "vocabularies"  # the dynamic tables whose maps a checkpoint holds
 
@@ -41,24 +39,13 @@ def resharded(emb, meta: dict) -> bool:
   return bool(meta.get(META)) and meta["num_shards"] != emb.num_shards
 
 
-def _old_layout(emb, name: str, meta: dict) -> RowLayout:
-  new = emb.layout(name)
-  return RowLayout(new.num_rows, meta["num_shards"], new.kind)
-
-
 def target(emb, template_vocabs, meta: dict) -> dict:
   """What orbax restores the maps into: the template's placement on the same
   shard count, host arrays of the saved shards' shapes otherwise."""
   if not resharded(emb, meta):
     abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
     return jax.tree.map(abstract, save_item(template_vocabs))
-  out = {}
-  for name in meta[META]:
-    v, old = emb.table_spec(name).vocabulary, _old_layout(emb, name, meta)
-    rps = old.rows_per_shard
-    empty = id_map.init_map(old.num_shards, rps, v.depth(), v.width_for(rps))
-    out[name] = {"map": empty._asdict(), "key": np.zeros((2,), np.uint32)}
-  return out
+  return {name: saved_vocab(emb, name, meta["num_shards"]) for name in meta[META]}
 
 
 def restore(emb, item: dict, meta: dict):
@@ -71,10 +58,8 @@ def restore(emb, item: dict, meta: dict):
     return {k: VocabState(IdMap(**d["map"]), d["key"]) for k, d in saved.items()}, {}, {}
   vocabs, tables, row_maps = {}, {}, {}
   for name, d in item["vocabs"].items():
-    old = _old_layout(emb, name, meta)
-    table, vocab, row_maps[name], _ = reinsert(
-      emb, name, item["tables"][name], d, old, emb.layout(name), True
-    )
+    old, new = layouts(emb, name, meta["num_shards"])
+    table, vocab, row_maps[name], _ = reinsert(emb, name, item["tables"][name], d, old, new, True)
     tables[name] = table
     vocabs[name] = VocabState(IdMap(**vocab["map"]), vocab["key"])
   return vocabs, tables, row_maps

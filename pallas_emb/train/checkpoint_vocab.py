@@ -191,11 +191,7 @@ class VocabCheckpointer:
     return self._place(name, table, slots, d["step"])
 
   def _layouts(self, name: str, saved_shards: int) -> tuple[RowLayout, RowLayout]:
-    """Physical table `name`'s layouts as written and now (a replicated
-    table's one shard is the same on any mesh)."""
-    new = self.emb.layout(name)
-    sharded = new.num_shards == self.emb.num_shards
-    return RowLayout(new.num_rows, saved_shards if sharded else 1, new.kind), new
+    return layouts(self.emb, name, saved_shards)
 
   def _saved_shapes(self, target: dict, saved_shards: int) -> dict:
     """Host arrays shaped as written on `saved_shards` shards."""
@@ -212,14 +208,8 @@ class VocabCheckpointer:
         },
         "step": np.zeros((), np.int32),
       }
-    for name, d in target["vocabs"].items():
-      v = self.emb.table_spec(name).vocabulary
-      old, _ = self._layouts(name, saved_shards)
-      depth = v.depth()
-      empty = id_map.init_map(
-        saved_shards, old.rows_per_shard, depth, v.width_for(old.rows_per_shard)
-      )
-      out["vocabs"][name] = {"map": empty._asdict(), "key": np.zeros(d["key"].shape, np.uint32)}
+    for name in target["vocabs"]:
+      out["vocabs"][name] = saved_vocab(self.emb, name, saved_shards)
     return out
 
   def _reshard(self, item: dict, saved_shards: int, spread: bool = True) -> dict:
@@ -252,6 +242,23 @@ class VocabCheckpointer:
     """(table, vocab) of dynamic table `name` for layout `new` (`reinsert`)."""
     table, vocab, _, self.resharded[name] = reinsert(self.emb, name, ts, vocab, old, new, spread)
     return table, vocab
+
+
+def layouts(emb, name: str, saved_shards: int) -> tuple[RowLayout, RowLayout]:
+  """Physical table `name`'s layouts as written on `saved_shards` shards and
+  now (a replicated table's one shard is the same on any mesh)."""
+  new = emb.layout(name)
+  sharded = new.num_shards == emb.num_shards
+  return RowLayout(new.num_rows, saved_shards if sharded else 1, new.kind), new
+
+
+def saved_vocab(emb, name: str, saved_shards: int) -> dict:
+  """Host arrays shaped as dynamic table `name`'s map and key were written
+  on `saved_shards` shards (what a restore reads them into)."""
+  v, (old, _) = emb.table_spec(name).vocabulary, layouts(emb, name, saved_shards)
+  rps = old.rows_per_shard
+  empty = id_map.init_map(saved_shards, rps, v.depth(), v.width_for(rps))
+  return {"map": empty._asdict(), "key": np.zeros((2,), np.uint32)}
 
 
 def place_table(emb, name: str, table, slots, step) -> dict:

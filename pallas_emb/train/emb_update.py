@@ -91,6 +91,17 @@ def collect_update(ctx, tables, update, started, next_ids, gate):
   return table_metrics(started, update.pending, norm, valid), lookup
 
 
+def collect_updates(contexts, tables, updates, started, next_ids, gate):
+  """`collect_update` of every (name, context) of `contexts`, `updates` and
+  `started` by name -> (table -> metrics, table -> the next batch's lookup)."""
+  metrics, lookups = {}, {}
+  for name, ctx in contexts:
+    metrics[name], lookups[name] = collect_update(
+      ctx, tables, updates[name], started[name], next_ids, gate
+    )
+  return metrics, lookups
+
+
 def flush_update(ctx, table_state: TableState, update):
   """Applies a pending update now -> (TableState, metrics)."""
   table_state, m = start_update(ctx, update, table_state)

@@ -238,7 +238,7 @@ def _sync_step(tr: Trainer, state: TrainState, batch, next_batch):
 def _async_step(tr: Trainer, state: TrainState, batch, next_batch):
   """The reference's schedule: step t-1's update overlaps step t's dense
   forward; embeddings are one step stale."""
-  tables, started, emb_metrics, lookups, pending = dict(state.tables), {}, {}, {}, {}
+  tables, started, pending = dict(state.tables), {}, {}
   acts = {}
   for name, ctx in tr.contexts:
     acts.update(async_emb.lookup_done(ctx, state.lookups[name]))
@@ -252,10 +252,9 @@ def _async_step(tr: Trainer, state: TrainState, batch, next_batch):
     )
   # Batch t+1 into the maps, on the tables step t-1's gradient updated.
   next_ids, tables, vocabs, vm = vocab_step.admit(tr.emb, tables, state.vocabs, next_batch["ids"])
-  for name, ctx in tr.contexts:
-    emb_metrics[name], lookups[name] = emb_update.collect_update(
-      ctx, tables, state.pending[name], started[name], next_ids, loss
-    )
+  emb_metrics, lookups = emb_update.collect_updates(
+    tr.contexts, tables, state.pending, started, next_ids, loss
+  )
   state = TrainState(params, opt_state, tables, pending, lookups, state.step + 1, vocabs)
   return state, _metrics(loss, aux, tr.emb.metrics_by_table(emb_metrics), vm)
 
@@ -263,12 +262,11 @@ def _async_step(tr: Trainer, state: TrainState, batch, next_batch):
 def _exact_step(tr: Trainer, state: TrainState, batch, next_batch):
   """The async calls with no staleness: step t's gradient is applied within
   step t, before the lookup of batch t+1."""
-  tables, emb_metrics, lookups = dict(state.tables), {}, {}
+  tables, updates, started = dict(state.tables), {}, {}
   acts = {}
   for name, ctx in tr.contexts:
     acts.update(async_emb.lookup_done(ctx, state.lookups[name]))
   params, opt_state, loss, aux, g_acts = _dense_step(tr, state.params, state.opt_state, acts, batch)
-  updates, started = {}, {}
   for name, ctx in tr.contexts:
     updates[name] = async_emb.make_gradient_update(
       ctx, state.lookups[name], ctx.table_inputs(g_acts)
@@ -276,10 +274,9 @@ def _exact_step(tr: Trainer, state: TrainState, batch, next_batch):
     tables[name], started[name] = emb_update.start_update(ctx, updates[name], tables[name], loss)
   # Batch t+1 into the maps, on the tables step t's gradient updated.
   next_ids, tables, vocabs, vm = vocab_step.admit(tr.emb, tables, state.vocabs, next_batch["ids"])
-  for name, ctx in tr.contexts:
-    emb_metrics[name], lookups[name] = emb_update.collect_update(
-      ctx, tables, updates[name], started[name], next_ids, loss
-    )
+  emb_metrics, lookups = emb_update.collect_updates(
+    tr.contexts, tables, updates, started, next_ids, loss
+  )
   state = TrainState(params, opt_state, tables, state.pending, lookups, state.step + 1, vocabs)
   return state, _metrics(loss, aux, tr.emb.metrics_by_table(emb_metrics), vm)
 

@@ -44,16 +44,15 @@ def dynamic_features(emb) -> tuple[str, ...]:
 def host_ids(emb, batch):
   """`batch` with its dynamic features' ids as key words (host NumPy for raw
   ids; words pass through); None and batches without ids pass through."""
-  names = dynamic_features(emb)
-  if not names or not isinstance(batch, Mapping) or "ids" not in batch:
+  if not emb.dynamic_tables() or not isinstance(batch, Mapping) or "ids" not in batch:
     return batch
   ids = dict(batch["ids"])
-  for name in names:
-    if name in ids:
-      spec = emb.table_spec(_table_of(emb, name))
-      ids[name] = with_ids(
-        ids[name], as_words(name, ids_of(ids[name]), spec.vocabulary, emb.num_shards)
-      )
+  for table in emb.dynamic_tables():
+    vocab = emb.table_spec(table).vocabulary
+    for f in emb.features_of(table):
+      if f.name in ids:
+        words = as_words(f.name, ids_of(ids[f.name]), vocab, emb.num_shards)
+        ids[f.name] = with_ids(ids[f.name], words)
   return {**batch, "ids": ids}
 
 
@@ -89,7 +88,3 @@ def read(emb, vocabs, ids):
     return ids
   rows, _ = emb.read_rows(vocabs, {n: ids[n] for n in names})
   return {**ids, **rows}
-
-
-def _table_of(emb, feature: str) -> str:
-  return next(n for n in emb.dynamic_tables() if feature in [f.name for f in emb.features_of(n)])
