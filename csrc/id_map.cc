@@ -36,6 +36,7 @@
 #include "id_map_core.h"
 #include "keyed_sort.h"
 #include "probe_window.h"
+#include "thread_scratch.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -51,14 +52,13 @@ constexpr uint32_t kSalts[8] = {0x9E3779B9u, 0x7F4A7C15u, 0xF39CC060u, 0x5CEDC83
 
 struct Scratch {
   std::vector<Keyed> keyed, tmp;
-  std::vector<int32_t> offsets;
+  std::vector<int32_t> offsets, fill, table_uid, token_uid, uid_slot;
+  std::vector<uint64_t> u_key, matches;
   std::vector<uint32_t> u_hi, u_lo;
   std::vector<int32_t> u_cnt, estimate, victim, home, waiting;
-  std::vector<uint64_t> free;
   std::vector<uint32_t> hist;
   std::vector<uint8_t> left, admitted;
 };
-thread_local Scratch tl_scratch;
 
 }  // namespace
 
@@ -71,33 +71,59 @@ void PlanKeys(const uint32_t* hi, const uint32_t* lo, const bool* valid, int64_t
   std::fill(send_lo, send_lo + slots, kPad);
   std::fill(send_count, send_count + slots, 0);
 
-  // Bucket the tokens by owner (a counting sort), then sort each bucket.
-  Scratch& s = tl_scratch;
+  // The distinct keys first (a step's ids repeat: the drift benchmark's
+  // 4,096 hold about 1,400 keys), so that only they are sorted: an
+  // open-addressing table of at least 2t entries, probed linearly from a
+  // multiplicative hash of the key.
+  Scratch& s = ThreadScratch<Scratch>();
+  int bits = 1;
+  while ((int64_t(1) << bits) < 2 * t) ++bits;
+  const uint64_t mask = (uint64_t(1) << bits) - 1;
+  s.table_uid.assign(mask + 1, -1);
+  s.token_uid.resize(t);
+  s.u_key.clear();
+  s.u_cnt.clear();
+  for (int64_t i = 0; i < t; ++i) {
+    if (!valid[i]) continue;
+    const uint64_t key = uint64_t(hi[i]) << 32 | lo[i];
+    uint64_t h = (key * 0x9E3779B97F4A7C15ull) >> (64 - bits);
+    while (s.table_uid[h] >= 0 && s.u_key[s.table_uid[h]] != key) h = (h + 1) & mask;
+    if (s.table_uid[h] < 0) {
+      s.table_uid[h] = int32_t(s.u_key.size());
+      s.u_key.push_back(key);
+      s.u_cnt.push_back(0);
+    }
+    s.token_uid[i] = s.table_uid[h];
+    ++s.u_cnt[s.table_uid[h]];
+  }
+  // The keys bucketed by owner (a counting sort), each bucket sorted; a
+  // key's send slot is its place in its owner's bucket.
+  const int64_t nu = int64_t(s.u_key.size());
   const FastMod owner_of{uint32_t(num_shards)};
   s.offsets.assign(num_shards + 1, 0);
-  for (int64_t i = 0; i < t; ++i)
-    if (valid[i]) ++s.offsets[owner_of(hi[i]) + 1];
+  for (int64_t u = 0; u < nu; ++u) ++s.offsets[owner_of(uint32_t(s.u_key[u] >> 32)) + 1];
   for (int64_t o = 0; o < num_shards; ++o) s.offsets[o + 1] += s.offsets[o];
-  s.keyed.resize(s.offsets[num_shards]);
-  std::vector<int32_t> fill(s.offsets.begin(), s.offsets.end() - 1);
-  for (int64_t i = 0; i < t; ++i)
-    if (valid[i])
-      s.keyed[fill[owner_of(hi[i])]++] = {uint64_t(hi[i]) << 32 | lo[i], int32_t(i)};
+  s.keyed.resize(nu);
+  s.fill.assign(s.offsets.begin(), s.offsets.end() - 1);
+  for (int64_t u = 0; u < nu; ++u)
+    s.keyed[s.fill[owner_of(uint32_t(s.u_key[u] >> 32))]++] = {s.u_key[u], int32_t(u)};
+  s.uid_slot.assign(nu, -1);
   for (int64_t o = 0; o < num_shards; ++o) {
     Keyed* first = s.keyed.data() + s.offsets[o];
     Keyed* last = s.keyed.data() + s.offsets[o + 1];
     SortByKey(first, last, s.tmp, s.hist);
-    int64_t position = -1;
-    for (Keyed* e = first; e != last; ++e) {
-      if (e == first || e->key != e[-1].key) ++position;
-      if (position >= capacity) break;  // the rest of this owner's keys overflow
+    // The keys past capacity overflow: their tokens get no slot.
+    for (int64_t position = 0; position < std::min<int64_t>(last - first, capacity); ++position) {
+      const Keyed& e = first[position];
       const int64_t slot = o * capacity + position;
-      send_hi[slot] = uint32_t(e->key >> 32);
-      send_lo[slot] = uint32_t(e->key);
-      ++send_count[slot];
-      token_slot[e->index] = int32_t(slot);
+      send_hi[slot] = uint32_t(e.key >> 32);
+      send_lo[slot] = uint32_t(e.key);
+      send_count[slot] = s.u_cnt[e.index];
+      s.uid_slot[e.index] = int32_t(slot);
     }
   }
+  for (int64_t i = 0; i < t; ++i)
+    if (valid[i]) token_slot[i] = s.uid_slot[s.token_uid[i]];
 }
 
 namespace {
@@ -151,7 +177,7 @@ int32_t StepMap(const MapArrays& map, int32_t step, const uint32_t* recv_hi,
   // 1. The distinct keys received, ascending: a key's rank is its uid. An
   // owner with one source receives them sorted and distinct (one pass);
   // otherwise they are sorted first.
-  Scratch& s = tl_scratch;
+  Scratch& s = ThreadScratch<Scratch>();
   s.u_hi.clear();
   s.u_lo.clear();
   s.u_cnt.clear();
@@ -208,11 +234,17 @@ int32_t StepMap(const MapArrays& map, int32_t step, const uint32_t* recv_hi,
         if (last[j] >= 0 && step - last[j] >= ttl) last[j] = -1, ++evicted;
   }
 
-  // 3. Resident keys, found in their window (a key is held at most once; the
-  // low word, compared first, rules out nearly every other slot).
-  const MapView view{key_hi, key_lo, count, last, usable, int32_t(cap)};
+  // 3. Resident keys, found in their window: the low words first, which rule
+  // out nearly every other slot, then the candidates' high words.
+  const MapView view{key_hi, key_lo, count, last, int32_t(cap)};
   const ProbeWindows windows(view, probe_limit);
-  for (int64_t u = 0; u < nu; ++u) slot[u] = windows.Find(s.home[u], s.u_hi[u], s.u_lo[u]);
+  if (windows.masks_fit()) {
+    s.matches.resize(nu);
+    for (int64_t u = 0; u < nu; ++u) s.matches[u] = windows.LowMatches(s.home[u], s.u_lo[u]);
+    for (int64_t u = 0; u < nu; ++u) slot[u] = windows.Resolve(s.home[u], s.matches[u], s.u_hi[u]);
+  } else {
+    for (int64_t u = 0; u < nu; ++u) slot[u] = windows.Find(s.home[u], s.u_hi[u], s.u_lo[u]);
+  }
   if (!train) {
     std::fill(stats, stats + 4, 0);
     return step;
@@ -261,39 +293,42 @@ int32_t StepMap(const MapArrays& map, int32_t step, const uint32_t* recv_hi,
     slot[u] = p;
     s.left[u] = 0;
   };
-  // 5. One pass over each admitted key's window, the map as the rounds find
-  // it: its free slots (a mask over the window; no round frees a slot) and
-  // its victim (probe_window.h). The rounds take only free slots, which are
-  // never victims, so victims chosen now are those chosen after the rounds.
-  const int64_t words = (probe_limit + 63) / 64;  // of a window's mask
-  const VictimRule rule{
-    step - int32_t(policy == kTtl ? std::max<int64_t>(ttl, 2) : 2), policy == kLfu};
-  s.free.assign(nu * words, 0);
-  s.victim.assign(nu, -1);
+  // 5. Insertion rounds: in round r each admitted key still waiting, in rank
+  // order, takes home + r if that slot is free (unused and usable). No round
+  // frees a slot, so a slot free when a round reaches it was free when the
+  // step began: the rounds read the slots as they reach them, where the XLA
+  // code masks each window once.
   s.waiting.clear();
-  for (int64_t u = 0; u < nu; ++u) {
-    if (!s.left[u]) continue;
-    const WindowScan w = windows.Scan(s.home[u], rule, &s.free[u * words]);
-    if (evict_on_insert && w.victim >= 0 && (!rule.lfu || count[w.victim] <= float(s.estimate[u])))
-      s.victim[u] = w.victim;
-    if (w.any_free) s.waiting.push_back(int32_t(u));
-  }
-  // 6. Insertion rounds: in round r each waiting key, in rank order, takes
-  // home + r if it was free and no lower rank took it.
+  for (int64_t u = 0; u < nu; ++u)
+    if (s.left[u]) s.waiting.push_back(int32_t(u));
   for (int64_t r = 0; r < probe_limit && !s.waiting.empty(); ++r) {
     size_t kept = 0;
-    for (const int32_t u : s.waiting)
-      if ((s.free[u * words + r / 64] >> (r % 64) & 1) && last[pos(u, r)] < 0)
-        take(u, pos(u, r));
+    for (const int32_t u : s.waiting) {
+      const int32_t q = pos(u, r);
+      if (last[q] < 0 && usable[q])
+        take(u, q);
       else
         s.waiting[kept++] = u;
+    }
     s.waiting.resize(kept);
   }
-  // 7. The keys still waiting take their victims, all chosen before any is
-  // taken (a victim two keys chose goes to the lower rank).
-  for (int64_t u = 0; u < nu; ++u) {
-    const int32_t p = s.victim[u];
-    if (s.left[u] && p >= 0 && last[p] != step) take(u, p), ++evicted;
+  // 6. The keys still waiting (in rank order) take their victims
+  // (probe_window.h), all chosen before any is taken (a victim two keys
+  // chose goes to the lower rank). The rounds took only free slots, which
+  // are never victims, and left every other slot as it was: these are the
+  // victims of the map before the rounds.
+  if (evict_on_insert) {
+    const VictimRule rule{
+      step - int32_t(policy == kTtl ? std::max<int64_t>(ttl, 2) : 2), policy == kLfu};
+    s.victim.resize(s.waiting.size());
+    for (size_t i = 0; i < s.waiting.size(); ++i) {
+      const int32_t u = s.waiting[i], v = windows.Victim(s.home[u], rule);
+      s.victim[i] = v >= 0 && (!rule.lfu || count[v] <= float(s.estimate[u])) ? v : -1;
+    }
+    for (size_t i = 0; i < s.waiting.size(); ++i) {
+      const int32_t p = s.victim[i];
+      if (p >= 0 && last[p] != step) take(s.waiting[i], p), ++evicted;
+    }
   }
   for (int64_t u = 0; u < nu; ++u) {
     if (s.admitted[u] && !s.left[u]) reset[inserted++] = slot[u];

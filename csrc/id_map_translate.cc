@@ -11,12 +11,19 @@
 #include <vector>
 
 #include "id_map_core.h"
+#include "thread_scratch.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace pallas_emb {
 namespace {
+
+// What the plan sends and the step answers, between the two (ThreadScratch).
+struct Between {
+  std::vector<int32_t> sent, send_count, slot, slot_uid;
+  std::vector<uint32_t> send_hi, send_lo;
+};
 
 // PeIdMapTranslate1: a one-shard table's whole translation (PeKeyPlan, then
 // PeIdMapStep on what it would send, then each token's answer), with no
@@ -37,30 +44,29 @@ ffi::Error IdMapTranslate1(
   if (probe_limit < 1 || probe_limit > cap || k < 1 || reset_buf->element_count() != size_t(k))
     return ffi::Error::InvalidArgument(
         "PeIdMapTranslate1: probe_limit must be in [1, capacity], reset hold key_capacity");
-  static thread_local std::vector<int32_t> sent, send_count, slot, slot_uid;
-  static thread_local std::vector<uint32_t> send_hi, send_lo;
-  sent.resize(t);
-  send_hi.resize(k);
-  send_lo.resize(k);
-  send_count.resize(k);
-  slot.resize(k);
-  slot_uid.resize(k);
-  PlanKeys(hi_buf.typed_data(), lo_buf.typed_data(), valid_buf.typed_data(), t, 1, k, sent.data(),
-           send_hi.data(), send_lo.data(), send_count.data());
+  Between& b = ThreadScratch<Between>();
+  b.sent.resize(t);
+  b.send_hi.resize(k);
+  b.send_lo.resize(k);
+  b.send_count.resize(k);
+  b.slot.resize(k);
+  b.slot_uid.resize(k);
+  PlanKeys(hi_buf.typed_data(), lo_buf.typed_data(), valid_buf.typed_data(), t, 1, k,
+           b.sent.data(), b.send_hi.data(), b.send_lo.data(), b.send_count.data());
   const MapArrays map = CarryMap(key_hi_in, key_lo_in, count_in, last_in, sketch_in, key_hi_out,
                                  key_lo_out, count_out, last_out, sketch_out, admit_after);
   const StepPolicy p{probe_limit, admit_after, policy, evict_on_insert,
                      evict_every, decay,       ttl,    train};
   *step_out->typed_data() =
-      StepMap(map, *step_in.typed_data(), send_hi.data(), send_lo.data(), send_count.data(), k,
-              usable_buf.typed_data(), p, slot.data(), slot_uid.data(), reset_buf->typed_data(),
-              stats_buf->typed_data());
+      StepMap(map, *step_in.typed_data(), b.send_hi.data(), b.send_lo.data(), b.send_count.data(),
+              k, usable_buf.typed_data(), p, b.slot.data(), b.slot_uid.data(),
+              reset_buf->typed_data(), stats_buf->typed_data());
   // A token's slot: its key's, through the key's send slot and rank; -1 for
   // padding, a key over key_capacity or a key given no slot.
   int32_t* token_slot = token_slot_buf->typed_data();
   for (int64_t i = 0; i < t; ++i) {
-    const int32_t uid = sent[i] >= 0 ? slot_uid[sent[i]] : -1;
-    token_slot[i] = uid >= 0 ? slot[uid] : -1;
+    const int32_t uid = b.sent[i] >= 0 ? b.slot_uid[b.sent[i]] : -1;
+    token_slot[i] = uid >= 0 ? b.slot[uid] : -1;
   }
   return ffi::Error::Success();
 }

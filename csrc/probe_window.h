@@ -1,11 +1,13 @@
 // The two scans of a key's probe window in the id map's step (id_map.cc):
-// where the key is held, and which slots are free and which is the victim.
+// where the key is held, and which slot is its eviction victim.
 //
 // A window is the probe_limit slots from the key's home slot on, wrapping at
 // the capacity. Both scans run scalar on any window, and eight slots at a
 // time with AVX2 on a window that does not wrap and whose length is a
 // multiple of 8 (the default probe limits); both give the same answers, the
 // first slot in window order winning every tie, as the XLA code's argmax.
+// Free slots need no scan: the insertion rounds (id_map.cc) read each slot
+// as they reach it.
 
 #ifndef PALLAS_EMB_CSRC_PROBE_WINDOW_H_
 #define PALLAS_EMB_CSRC_PROBE_WINDOW_H_
@@ -23,14 +25,7 @@ struct MapView {
   const uint32_t* key_lo;
   const float* count;
   const int32_t* last;
-  const bool* usable;
   int32_t cap;
-};
-
-// What the second scan finds in a window.
-struct WindowScan {
-  bool any_free;  // a slot of the window is free (and usable)
-  int32_t victim;  // the eviction victim's slot, -1 for none
 };
 
 // Who may be evicted: a slot used, not in this step or the last (nor within
@@ -59,38 +54,44 @@ inline int32_t FindScalar(const MapView& m, int32_t home, int64_t probe_limit, u
   return -1;
 }
 
-inline WindowScan ScanScalar(const MapView& m, int32_t home, int64_t probe_limit,
-                             const VictimRule& rule, uint64_t* free) {
-  WindowScan out{false, -1};
+// probe_limit <= 64 (one bit per place of the window).
+inline uint64_t LowMatchesScalar(const MapView& m, int32_t home, int64_t probe_limit,
+                                uint32_t lo) {
+  uint64_t matches = 0;
+  for (int64_t r = 0; r < probe_limit; ++r) {
+    int32_t p = home + int32_t(r);
+    if (p >= m.cap) p -= m.cap;
+    matches |= uint64_t(m.key_lo[p] == lo) << r;
+  }
+  return matches;
+}
+
+inline int32_t VictimScalar(const MapView& m, int32_t home, int64_t probe_limit,
+                            const VictimRule& rule) {
+  int32_t victim = -1;
   uint64_t best_rank = ~uint64_t(0);
   for (int64_t r = 0; r < probe_limit; ++r) {
     int32_t p = home + int32_t(r);
     if (p >= m.cap) p -= m.cap;
     const int32_t l = m.last[p];
-    const bool is_free = l < 0 && m.usable[p];
-    free[r / 64] |= uint64_t(is_free) << (r % 64);
-    out.any_free |= is_free;
     const uint64_t rank = (rule.lfu ? uint64_t(CountBits(m.count[p])) << 32 : 0) | uint32_t(l);
     const bool better = l >= 0 && l <= rule.newest && rank < best_rank;
     best_rank = better ? rank : best_rank;
-    out.victim = better ? p : out.victim;
+    victim = better ? p : victim;
   }
-  return out;
+  return victim;
 }
 
 #ifdef PE_X86
-PE_TARGET_AVX2 inline int32_t FindAvx2(const MapView& m, int32_t home, int64_t probe_limit,
-                                       uint32_t hi, uint32_t lo) {
+PE_TARGET_AVX2 inline uint64_t LowMatchesAvx2(const MapView& m, int32_t home,
+                                              int64_t probe_limit, uint32_t lo) {
   const __m256i want = _mm256_set1_epi32(int32_t(lo));
+  uint64_t matches = 0;
   for (int64_t r = 0; r < probe_limit; r += 8) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m.key_lo + home + r));
-    for (uint32_t hits = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(v, want)));
-         hits != 0; hits &= hits - 1) {
-      const int32_t p = home + int32_t(r) + __builtin_ctz(hits);
-      if (m.key_hi[p] == hi && m.last[p] >= 0) return p;
-    }
+    matches |= uint64_t(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(v, want)))) << r;
   }
-  return -1;
+  return matches;
 }
 
 PE_TARGET_AVX2 inline uint32_t HorizontalMin(__m256i v) {
@@ -104,25 +105,17 @@ PE_TARGET_AVX2 inline uint32_t HorizontalMin(__m256i v) {
 // Eight slots at a time, in three sweeps of the window (at most 64 slots):
 // the least count among the eligible slots (lfu), the least last step among
 // those, and the first slot with both.
-PE_TARGET_AVX2 inline WindowScan ScanAvx2(const MapView& m, int32_t home, int64_t probe_limit,
-                                          const VictimRule& rule, uint64_t* free) {
+PE_TARGET_AVX2 inline int32_t VictimAvx2(const MapView& m, int32_t home, int64_t probe_limit,
+                                         const VictimRule& rule) {
   const int64_t blocks = probe_limit / 8;
   __m256i last[8], count[8], eligible[8];
   const __m256i minus_one = _mm256_set1_epi32(-1), newest = _mm256_set1_epi32(rule.newest);
   const __m256i none = _mm256_set1_epi32(-1);  // as uint32: above every count and last
   __m256i least_count = none;
-  WindowScan out{false, -1};
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t at = home + 8 * b;
     last[b] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m.last + at));
     count[b] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m.count + at));
-    const __m256i usable = _mm256_cvtepu8_epi32(
-      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(m.usable + at)));
-    const __m256i empty = _mm256_cmpgt_epi32(_mm256_setzero_si256(), last[b]);
-    const uint32_t free_bits = _mm256_movemask_ps(_mm256_castsi256_ps(
-      _mm256_andnot_si256(_mm256_cmpeq_epi32(usable, _mm256_setzero_si256()), empty)));
-    free[b / 8] |= uint64_t(free_bits) << (8 * (b % 8));
-    out.any_free |= free_bits != 0;
     eligible[b] = _mm256_andnot_si256(_mm256_cmpgt_epi32(last[b], newest),
                                       _mm256_cmpgt_epi32(last[b], minus_one));
     least_count = _mm256_min_epu32(least_count, _mm256_blendv_epi8(none, count[b], eligible[b]));
@@ -134,17 +127,14 @@ PE_TARGET_AVX2 inline WindowScan ScanAvx2(const MapView& m, int32_t home, int64_
     least_last = _mm256_min_epu32(least_last, _mm256_blendv_epi8(none, last[b], eligible[b]));
   }
   const uint32_t ll = HorizontalMin(least_last);
-  if (ll == ~uint32_t(0)) return out;  // no slot is eligible
+  if (ll == ~uint32_t(0)) return -1;  // no slot is eligible
   const __m256i want = _mm256_set1_epi32(int32_t(ll));
   for (int64_t b = 0; b < blocks; ++b) {
     const uint32_t hit = _mm256_movemask_ps(_mm256_castsi256_ps(
       _mm256_and_si256(eligible[b], _mm256_cmpeq_epi32(last[b], want))));
-    if (hit != 0) {
-      out.victim = int32_t(home + 8 * b + __builtin_ctz(hit));
-      break;
-    }
+    if (hit != 0) return int32_t(home + 8 * b + __builtin_ctz(hit));
   }
-  return out;
+  return -1;
 }
 #endif
 
@@ -157,23 +147,43 @@ class ProbeWindows {
       : m_(m), probe_limit_(probe_limit),
         vector_(HostIsa() != Isa::kBase && probe_limit % 8 == 0 && probe_limit <= 64) {}
 
-  // The slot of window `home` holding key (hi, lo), -1 if none.
+  // Whether the windows fit the 64-bit masks of LowMatches.
+  bool masks_fit() const { return probe_limit_ <= 64; }
+
+  // The slot of window `home` holding key (hi, lo), -1 if none (any window).
   int32_t Find(int32_t home, uint32_t hi, uint32_t lo) const {
-#ifdef PE_X86
-    if (vector_ && home + probe_limit_ <= m_.cap)
-      return window_internal::FindAvx2(m_, home, probe_limit_, hi, lo);
-#endif
     return window_internal::FindScalar(m_, home, probe_limit_, hi, lo);
   }
 
-  // Free slots (bit r of `free`, (probe_limit + 63) / 64 zeroed words, for
-  // slot home + r) and the victim of window `home`.
-  WindowScan Scan(int32_t home, const VictimRule& rule, uint64_t* free) const {
+  // The places r in window `home` whose slot's low key word is `lo` (bit r;
+  // masks_fit()): the first half of finding a key, which loads one array and
+  // never branches on it, so that a step's keys' windows load side by side.
+  uint64_t LowMatches(int32_t home, uint32_t lo) const {
 #ifdef PE_X86
     if (vector_ && home + probe_limit_ <= m_.cap)
-      return window_internal::ScanAvx2(m_, home, probe_limit_, rule, free);
+      return window_internal::LowMatchesAvx2(m_, home, probe_limit_, lo);
 #endif
-    return window_internal::ScanScalar(m_, home, probe_limit_, rule, free);
+    return window_internal::LowMatchesScalar(m_, home, probe_limit_, lo);
+  }
+
+  // The second half: the slot among `matches` holding key (hi, lo), -1 if
+  // none (a key is held at most once).
+  int32_t Resolve(int32_t home, uint64_t matches, uint32_t hi) const {
+    for (; matches != 0; matches &= matches - 1) {
+      int32_t p = home + __builtin_ctzll(matches);
+      if (p >= m_.cap) p -= m_.cap;
+      if (m_.key_hi[p] == hi && m_.last[p] >= 0) return p;
+    }
+    return -1;
+  }
+
+  // The eviction victim of window `home`, -1 if no slot may be evicted.
+  int32_t Victim(int32_t home, const VictimRule& rule) const {
+#ifdef PE_X86
+    if (vector_ && home + probe_limit_ <= m_.cap)
+      return window_internal::VictimAvx2(m_, home, probe_limit_, rule);
+#endif
+    return window_internal::VictimScalar(m_, home, probe_limit_, rule);
   }
 
  private:

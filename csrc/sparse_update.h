@@ -34,6 +34,7 @@
 #include "profile.h"
 #include "row_rules.h"
 #include "simd.h"
+#include "thread_scratch.h"
 
 namespace pallas_emb {
 
@@ -255,7 +256,7 @@ void RowChunkAny(const Rule& rule, const RowPass& p, int c) {
   RowChunkBase(rule, p, c);
 }
 
-// Per calling thread, reused across calls (no page faults per step).
+// The update's buffers (ThreadScratch).
 struct Scratch {
   std::vector<int64_t> start, fill;
   std::vector<int32_t> order;
@@ -272,10 +273,6 @@ struct Scratch {
     return undo;
   }
 };
-inline Scratch& ThreadScratch() {
-  thread_local Scratch s;
-  return s;
-}
 
 template <class T>
 void Grow(std::vector<T>& v, size_t n) {
@@ -324,7 +321,7 @@ float SegsumUpdate(Pool* pool, const Shard& sh, const Rule& rule,
                    const float* grads, int64_t n, bool gate) {
   namespace ui = update_internal;
   PhaseTimer timer;
-  ui::Scratch& s = ui::ThreadScratch();
+  ui::Scratch& s = ThreadScratch<ui::Scratch>();
   ui::GroupByRow(inverse, n, num_unique, s);
   timer.Lap(kGroupByRow);
   const int64_t d = sh.dim;

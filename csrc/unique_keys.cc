@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "profile.h"
+#include "thread_scratch.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -30,13 +31,11 @@ constexpr int kMaxDigitBits = 11;  // 2048 buckets: the histograms stay in L1
 
 int BitWidth(uint64_t x) { return x == 0 ? 0 : 64 - __builtin_clzll(x); }
 
-// Per calling thread, reused across calls: no allocation or page faults per
-// step once the largest batch has been seen.
+// The sort's buffers (ThreadScratch).
 struct Scratch {
   std::vector<uint64_t> a, tmp;
   std::vector<uint32_t> hist;
 };
-thread_local Scratch tl_scratch;
 
 // Sorts the inputs that have a key; returns how many, leaving them in s.a
 // as ascending (key ^ sign) - lo << 32 | position, and lo in *lo_out.
@@ -99,7 +98,7 @@ ffi::Error UniqueKeys(ffi::Buffer<ffi::S32> keys,
   if (int64_t(inverse->element_count()) != n)
     return ffi::Error::InvalidArgument("inverse must have one entry per key");
   PhaseTimer timer;
-  Scratch& s = tl_scratch;
+  Scratch& s = ThreadScratch<Scratch>();
   uint32_t lo = 0;
   const size_t m = SortKeys(keys.typed_data(), n, s, &lo);
   timer.Lap(kUniqueSort);
