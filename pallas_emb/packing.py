@@ -52,6 +52,7 @@ again.)
 
 from __future__ import annotations
 
+import functools
 import zlib
 from typing import Any, NamedTuple
 
@@ -236,13 +237,21 @@ def num_rows_of(stored, width: int) -> int | None:
   return None
 
 
-def take_rows(stored, idx, width: int):
+def take_rows(stored, idx, width: int, *, sorted_indices: bool = False):
   """(C, width) rows `idx` of an array of rows `width` words wide, stored
-  as it is or packed; an index past the end reads zeros (JAX, traced)."""
+  as it is or packed; an index past the end reads zeros (JAX, traced).
+
+  `sorted_indices`: the caller promises `idx` ascending (indices past the
+  end included, e.g. padding at the end, all one index past it), as a fused
+  update's rows are; XLA's gather is told so. An unkept promise may give
+  wrong rows on TPU: callers whose order is not known pass False."""
+  take = functools.partial(
+    jnp.take, axis=0, mode="fill", fill_value=0, indices_are_sorted=sorted_indices
+  )
   if stored.shape[1] == width:
-    return jnp.take(stored, idx, axis=0, mode="fill", fill_value=0)
+    return take(stored, idx)
   k = LANES // width
-  phys = jnp.take(stored, idx // k, axis=0, mode="fill", fill_value=0)
+  phys = take(stored, idx // k)
   sub = phys.reshape(idx.shape[0], k, width)
   return jnp.take_along_axis(sub, (idx % k)[:, None, None], axis=1)[:, 0]
 
@@ -251,7 +260,13 @@ def put_rows(stored, idx, values, width: int):
   """`stored` with rows `idx` set to (C, w) `values`, zero-padded to
   `width` (distinct indices; an index past the end writes nothing), stored
   as it is or packed. A packed row's neighbours in its physical row are
-  untouched."""
+  untouched.
+
+  The scatter is never told that sorted indices are sorted: a TPU then
+  scatters faster (36,900 rows into a 1M x 128 float32 table: 2.45 ms
+  against 6.6 on a v5e, issue #48) but holds 8 bytes per row of `stored` in
+  temp (pod_check, W-TPU at 2.5M rows per chip: 27.7 MiB of temp against
+  6.1), so per-chip memory would follow the table, not the ids."""
   values = padded(values.astype(stored.dtype), width)
   if stored.shape[1] == width:
     return stored.at[idx].set(values, mode="drop")

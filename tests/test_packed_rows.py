@@ -5,6 +5,7 @@ chunks, runs of ids in one physical row within and across chunks), lowering
 for TPU, and host conversions across layouts that pack differently."""
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -110,6 +111,49 @@ def test_put_rows_on_a_tpu_keeps_the_packed_layout():
     "16384x16"
     in jax.jit(put).trace(stored, idx, values).lower(lowering_platforms=("cpu",)).as_text()
   )
+
+
+@pytest.mark.parametrize("width", [16, 128], ids=["packed", "plain"])
+def test_the_xla_update_tells_its_gathers_the_rows_are_sorted_not_its_scatters(width):
+  """A fused update's rows are ascending, padding last (every form's
+  contract): its XLA form tells XLA's gathers so. Not its scatters: a TPU's
+  sorted scatter holds 8 bytes per table row in temp (`packing.put_rows`),
+  and pod_check's bound on per-chip temp would no longer hold."""
+  opt = pe.RowWiseAdagrad(0.1)
+  num_rows = 2048 * 128 // width  # stored (2048, 128) either way
+  stored = jax.ShapeDtypeStruct((2048, 128), jnp.float32)
+  slots = {
+    k: jax.ShapeDtypeStruct(v.shape_for(num_rows, width), v.dtype)
+    for k, v in opt.slot_specs().items()
+  }
+  rows = jax.ShapeDtypeStruct((64,), jnp.int32)
+  grads = jax.ShapeDtypeStruct((64, width), jnp.float32)
+
+  def update(t, s, r, g):
+    scalars = opt.scalars(jnp.int32(1))
+    return kernels.xla.fused_update(
+      t, s, r, g, scalars, jnp.bool_(True), optimizer=opt, dtype=jnp.float32, dim=width
+    )
+
+  ops = _indexing_ops(jax.make_jaxpr(update)(stored, slots, rows, grads).jaxpr)
+  # Each stored array's rows are read by a gather told; no scatter is told
+  # (nor the TPU write's own read of the physical rows it adds to).
+  for shape in {stored.shape, *(v.shape for v in slots.values())}:
+    assert ("gather", shape, True) in ops, (shape, ops)
+  assert not [op for op in ops if op[0] == "scatter" and op[2]], ops
+
+
+def _indexing_ops(jaxpr) -> list[tuple[str, tuple, bool]]:
+  """(primitive, operand shape, indices_are_sorted) of every gather and
+  scatter of `jaxpr`, in the branches of platform-dependent code too."""
+  out = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("gather", "scatter", "scatter-add"):
+      name = "gather" if eqn.primitive.name == "gather" else "scatter"
+      out.append((name, tuple(eqn.invars[0].aval.shape), eqn.params["indices_are_sorted"]))
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      out += _indexing_ops(sub)
+  return out
 
 
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=OPT_IDS)

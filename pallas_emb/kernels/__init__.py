@@ -87,11 +87,11 @@ def gather(table, rows, *, dtype, backend: str, dim: int | None = None, ascendin
   `dim`: the row width, for a table that may be stored packed
   (`pallas_emb.packing`); None for rows stored as they are. `ascending`:
   the rows are ascending, padding last (an owner's unique rows on one
-  shard), which the block form needs."""
+  shard), which the block form needs and the XLA form is told."""
   dim = checks.check_gather(table, rows, dtype, dim)
   form = gather_form(backend, table, rows.shape[0], dim=dim, dtype=dtype, ascending=ascending)
   if form == "xla":
-    return xla.gather(table, rows, dtype=dtype, dim=dim)
+    return xla.gather(table, rows, dtype=dtype, dim=dim, ascending=ascending)
   return block_gather.gather(table, rows, dtype=dtype, dim=dim, interpret=_kernel_mode(backend))
 
 

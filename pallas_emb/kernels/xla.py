@@ -10,6 +10,8 @@ the whole array (on a TPU that is a relayout of the whole shard).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -23,7 +25,9 @@ def _out_of_bounds(rows: jax.Array, size: int, keep: jax.Array) -> jax.Array:
   return jnp.where(keep & (rows >= 0), rows, size)
 
 
-def gather(table: jax.Array, rows: jax.Array, *, dtype, dim: int | None = None) -> jax.Array:
+def gather(
+  table: jax.Array, rows: jax.Array, *, dtype, dim: int | None = None, ascending: bool = False
+) -> jax.Array:
   """Reads rows of a stored table.
 
   Args:
@@ -32,6 +36,8 @@ def gather(table: jax.Array, rows: jax.Array, *, dtype, dim: int | None = None) 
     rows: (C,) int32 local row ids, -1 for padding.
     dtype: the table's logical dtype.
     dim: the row width (None: the table's rows are stored as they are).
+    ascending: the rows are ascending, padding last; XLA's gather is
+      told (`packing.take_rows`).
 
   Returns:
     (C, dim) float32, zero rows for padding.
@@ -39,7 +45,8 @@ def gather(table: jax.Array, rows: jax.Array, *, dtype, dim: int | None = None) 
   dim = checks.check_gather(table, rows, dtype, dim)
   width = checks.row_width(table, dim, dtype)
   idx = _out_of_bounds(rows, packing.num_rows_of(table, width), True)
-  return packing.unpack_rows(packing.take_rows(table, idx, width), dtype, dim)
+  words = packing.take_rows(table, idx, width, sorted_indices=ascending)
+  return packing.unpack_rows(words, dtype, dim)
 
 
 def update_stored_rows(words, slots, grads, scalars, *, optimizer: RowUpdate, dtype, noise=None):
@@ -94,7 +101,9 @@ def fused_update(
     table: (R, W) stored rows, or packed (R * W / 128, 128).
     slots: name -> optimizer state in its stored shape (`SlotSpec.shape_for`)
       or, for a row-shaped slot, (R, width).
-    rows: (C,) int32 distinct local row ids, -1 for padding.
+    rows: (C,) int32 distinct local row ids, ascending, -1 padding last
+      (as every form of the fused update takes them); XLA's gathers are
+      told so, its scatters not (`packing.put_rows` says why).
     grads: (C, dim) float32 summed gradient per row.
     scalars: `optimizer.scalars(step)`.
     apply: bool scalar; when False nothing is written.
@@ -115,9 +124,10 @@ def fused_update(
   specs = optimizer.slot_specs()
   widths = {k: specs[k].stored_width(dim) for k in slots}
   noise = None if rounding_keys is None else packing.rounding_noise(rounding_keys, dim)
+  take = functools.partial(packing.take_rows, idx=idx, sorted_indices=True)
   words, new_slots = update_stored_rows(
-    packing.take_rows(table, idx, width),
-    {k: packing.take_rows(v, idx, widths[k]) for k, v in slots.items()},
+    take(table, width=width),
+    {k: take(v, width=widths[k]) for k, v in slots.items()},
     grads,
     scalars,
     optimizer=optimizer,
