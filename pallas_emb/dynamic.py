@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pallas_emb import kernels, packing, programs, threefry
+from pallas_emb import kernels, packing, programs, stored_rows, threefry
 from pallas_emb.capacity import key_capacity
 from pallas_emb.errors import InputError, SpecError
 from pallas_emb.inputs import ids_of, with_ids
@@ -139,12 +139,12 @@ def _reset(t: ShardedTable, table, slots, reset, key, step):
     rows = jax.vmap(lambda k: spec.initializer(k, (spec.dim,), jnp.float32))(keys_)
     # The table may be stored packed (rows narrower than 128 lanes): write sub-rows.
     new_rows = packing.pack_rows(rows.astype(jnp.float32), spec.dtype)
-    table = packing.put_rows(table, at, new_rows, width)
+    table = stored_rows.put_rows(table, at, new_rows, width)
     fresh = {}
     for name, x in slots.items():
       w = specs[name].stored_width(spec.dim)
       init = jnp.full((chunk, w), specs[name].init, x.dtype)  # its pad words too, as `init`
-      fresh[name] = packing.put_rows(x, at, init, w)
+      fresh[name] = stored_rows.put_rows(x, at, init, w)
     return table, fresh
 
   chunks = (inserted + chunk - 1) // chunk

@@ -24,7 +24,7 @@ HBM (25% at 96 and 192 words; `padding_waste`), which XLA would spend
 anyway: it pads such an array to whole 128-lane tiles in HBM, transposed or
 not. The pad words are never read as row values: every reader strips them
 (`unpadded`, `unpack_rows(dim=)`, `SlotSpec.values`) and every writer puts
-zeros there (`padded`, `put_rows`), so the optimizer math, checkpoints and
+zeros there (`padded`, `stored_rows.put_rows`), so the optimizer math, checkpoints and
 host copies see rows of their logical width.
 
 A lone bfloat16 row is not a legal DMA on TPU, whose HBM tiles pack two
@@ -52,7 +52,6 @@ again.)
 
 from __future__ import annotations
 
-import functools
 import zlib
 from typing import Any, NamedTuple
 
@@ -235,69 +234,6 @@ def num_rows_of(stored, width: int) -> int | None:
   if cols == LANES and width < LANES and LANES % width == 0:
     return stored.shape[0] * (LANES // width)
   return None
-
-
-def take_rows(stored, idx, width: int, *, sorted_indices: bool = False):
-  """(C, width) rows `idx` of an array of rows `width` words wide, stored
-  as it is or packed; an index past the end reads zeros (JAX, traced).
-
-  `sorted_indices`: the caller promises `idx` ascending (indices past the
-  end included, e.g. padding at the end, all one index past it), as a fused
-  update's rows are; XLA's gather is told so. An unkept promise may give
-  wrong rows on TPU: callers whose order is not known pass False."""
-  take = functools.partial(
-    jnp.take, axis=0, mode="fill", fill_value=0, indices_are_sorted=sorted_indices
-  )
-  if stored.shape[1] == width:
-    return take(stored, idx)
-  k = LANES // width
-  phys = take(stored, idx // k)
-  sub = phys.reshape(idx.shape[0], k, width)
-  return jnp.take_along_axis(sub, (idx % k)[:, None, None], axis=1)[:, 0]
-
-
-def put_rows(stored, idx, values, width: int):
-  """`stored` with rows `idx` set to (C, w) `values`, zero-padded to
-  `width` (distinct indices; an index past the end writes nothing), stored
-  as it is or packed. A packed row's neighbours in its physical row are
-  untouched.
-
-  The scatter is never told that sorted indices are sorted: a TPU then
-  scatters faster (36,900 rows into a 1M x 128 float32 table: 2.45 ms
-  against 6.6 on a v5e, issue #48) but holds 8 bytes per row of `stored` in
-  temp (pod_check, W-TPU at 2.5M rows per chip: 27.7 MiB of temp against
-  6.1), so per-chip memory would follow the table, not the ids."""
-  values = padded(values.astype(stored.dtype), width)
-  if stored.shape[1] == width:
-    return stored.at[idx].set(values, mode="drop")
-  return jax.lax.platform_dependent(
-    stored, idx, values, tpu=_put_packed_rows, default=_put_row_view
-  )
-
-
-def _put_row_view(stored, idx, values):
-  # Row-major (N, 128) words are (N * k, width) rows: a free reshape on CPU,
-  # and a scatter of whole rows (one index each), not of (row, lane) words.
-  rows = stored.reshape(-1, values.shape[1])
-  return rows.at[idx].set(values, mode="drop").reshape(stored.shape)
-
-
-def _put_packed_rows(stored, idx, values):
-  # A TPU keeps (N * k, width) in (8, 128) tiles, so the reshape above would
-  # relayout the whole array, twice. Instead each index adds to its physical
-  # row the difference of its new words from the row's, as uint32 (exact
-  # modulo 2**32), zero outside its own lanes: indices that share a
-  # physical row add their own lanes, and one scatter-add of whole rows
-  # writes them all.
-  width = values.shape[1]
-  k = LANES // width
-  phys = idx // k
-  old = jnp.take(stored, phys, axis=0, mode="fill", fill_value=0)
-  mine = jnp.arange(LANES, dtype=idx.dtype)[None, :] // width == (idx % k)[:, None]
-  word = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint32)
-  delta = jnp.where(mine, word(jnp.tile(values, (1, k))) - word(old), jnp.uint32(0))
-  out = word(stored).at[phys].add(delta, mode="drop")
-  return jax.lax.bitcast_convert_type(out, stored.dtype)
 
 
 def unpack_rows(words: jax.Array, dtype, dim: int | None = None) -> jax.Array:

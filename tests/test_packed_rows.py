@@ -21,7 +21,7 @@ from kernel_cases import (
 )
 
 import pallas_emb as pe
-from pallas_emb import kernels, packing
+from pallas_emb import kernels, packing, stored_rows
 from pallas_emb import state as state_lib
 from pallas_emb.kernels.block_gather import gather
 from pallas_emb.kernels.block_update import fused_update
@@ -63,11 +63,11 @@ def test_take_and_put_rows_of_packed_arrays_touch_only_their_sub_rows():
   x = rng.normal(size=(64, 16)).astype(np.float32)
   stored = jnp.asarray(x.reshape(8, 128))
   idx = jnp.asarray([3, 4, 63, 64], jnp.int32)  # 64: past the end
-  got = packing.take_rows(stored, idx, 16)
+  got = stored_rows.take_rows(stored, idx, 16)
   np.testing.assert_array_equal(got[:3], x[[3, 4, 63]])
   np.testing.assert_array_equal(got[3], 0)
   new = rng.normal(size=(4, 16)).astype(np.float32)
-  put = np.asarray(packing.put_rows(stored, idx, new, 16)).reshape(64, 16)
+  put = np.asarray(stored_rows.put_rows(stored, idx, new, 16)).reshape(64, 16)
   want = x.copy()
   want[[3, 4, 63]] = new[:3]
   np.testing.assert_array_equal(put, want)
@@ -89,8 +89,8 @@ def test_put_rows_tpu_form_equals_the_row_view(width, dtype):
   values = rng.integers(0, 2**32, (idx.size, width), dtype=np.uint64).astype(np.uint32)
   values[0, 0], values[-2, 0] = 0x7FC00001, 0x80000000  # a NaN and -0.0 as float32
   args = (jnp.asarray(stored), jnp.asarray(idx), jnp.asarray(values.view(dtype)))
-  got = jax.jit(packing._put_packed_rows)(*args)
-  want = jax.jit(packing._put_row_view)(*args)
+  got = jax.jit(stored_rows._put_packed_rows)(*args)
+  want = jax.jit(stored_rows._put_row_view)(*args)
   np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
   rows = stored.reshape(-1, width).copy()
   rows[idx[:-1]] = values.view(dtype)[:-1]
@@ -104,7 +104,7 @@ def test_put_rows_on_a_tpu_keeps_the_packed_layout():
   (N * k, width) view (a relayout of the whole array in (8, 128) tiles)."""
   stored = jax.ShapeDtypeStruct((2048, 128), jnp.float32)
   idx, values = jax.ShapeDtypeStruct((64,), jnp.int32), jax.ShapeDtypeStruct((64, 16), jnp.float32)
-  put = lambda s, i, v: packing.put_rows(s, i, v, 16)
+  put = lambda s, i, v: stored_rows.put_rows(s, i, v, 16)
   text = jax.jit(put).trace(stored, idx, values).lower(lowering_platforms=("tpu",)).as_text()
   assert "16384x16" not in text
   assert (
@@ -117,7 +117,7 @@ def test_put_rows_on_a_tpu_keeps_the_packed_layout():
 def test_the_xla_update_tells_its_gathers_the_rows_are_sorted_not_its_scatters(width):
   """A fused update's rows are ascending, padding last (every form's
   contract): its XLA form tells XLA's gathers so. Not its scatters: a TPU's
-  sorted scatter holds 8 bytes per table row in temp (`packing.put_rows`),
+  sorted scatter holds 8 bytes per table row in temp (`kernels.xla`),
   and pod_check's bound on per-chip temp would no longer hold."""
   opt = pe.RowWiseAdagrad(0.1)
   num_rows = 2048 * 128 // width  # stored (2048, 128) either way

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_emb import packing
+from pallas_emb import packing, stored_rows
 from pallas_emb.kernels import native_lib
 from pallas_emb.kernels import xla as xla_kernels
 
@@ -123,8 +123,8 @@ def xla_stages(
     idx = jnp.where(r >= 0, r, jnp.int32(2**30))
     width = packing.storage_width(spec.dim, spec.dtype)
     specs = opt.slot_specs()
-    return packing.unpack_rows(packing.take_rows(table, idx, width), spec.dtype, spec.dim), {
-      k: specs[k].values(packing.take_rows(v, idx, specs[k].stored_width(spec.dim)), spec.dim)
+    return packing.unpack_rows(stored_rows.take_rows(table, idx, width), spec.dtype, spec.dim), {
+      k: specs[k].values(stored_rows.take_rows(v, idx, specs[k].stored_width(spec.dim)), spec.dim)
       for k, v in slots.items()
     }
 
