@@ -9,7 +9,7 @@ import pytest
 
 # Module -> the pallas_emb modules (prefixes) it may load. `pallas_emb` is
 # the package itself, whose __init__ loads its public names lazily.
-LEAVES = ("pallas_emb", "pallas_emb.errors", "pallas_emb.packing")
+LEAVES = ("pallas_emb", "pallas_emb.errors", "pallas_emb.packing", "pallas_emb.stored_rows")
 INPUTS = ("pallas_emb", "pallas_emb.errors", "pallas_emb.inputs")
 KERNELS = LEAVES + ("pallas_emb.kernels",)
 OPTIMIZERS = LEAVES + ("pallas_emb.optimizers",)
@@ -44,6 +44,12 @@ ALLOWED = {
   "sharding": (),
   "pallas_emb.errors": ("pallas_emb", "pallas_emb.errors"),
   "pallas_emb.packing": ("pallas_emb", "pallas_emb.errors", "pallas_emb.packing"),
+  "pallas_emb.stored_rows": (
+    "pallas_emb",
+    "pallas_emb.errors",
+    "pallas_emb.packing",
+    "pallas_emb.stored_rows",
+  ),
   "pallas_emb.inputs": INPUTS,
   "pallas_emb.ids": INPUTS + ("pallas_emb.ids",),
   "pallas_emb.hashing": ("pallas_emb", "pallas_emb.errors", "pallas_emb.hashing"),
