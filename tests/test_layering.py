@@ -44,12 +44,8 @@ ALLOWED = {
   "sharding": (),
   "pallas_emb.errors": ("pallas_emb", "pallas_emb.errors"),
   "pallas_emb.packing": ("pallas_emb", "pallas_emb.errors", "pallas_emb.packing"),
-  "pallas_emb.stored_rows": (
-    "pallas_emb",
-    "pallas_emb.errors",
-    "pallas_emb.packing",
-    "pallas_emb.stored_rows",
-  ),
+  # Reads and writes rows in packing's layout, and nothing above it.
+  "pallas_emb.stored_rows": LEAVES,
   "pallas_emb.inputs": INPUTS,
   "pallas_emb.ids": INPUTS + ("pallas_emb.ids",),
   "pallas_emb.hashing": ("pallas_emb", "pallas_emb.errors", "pallas_emb.hashing"),
