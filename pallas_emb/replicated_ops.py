@@ -87,7 +87,8 @@ def lookup_shard(t: ShardedTable, table: jax.Array, blocks: Sequence):
 
 def empty_shard(t: ShardedTable, tokens_per_shard: int) -> tuple[TableResiduals, jax.Array]:
   """Residuals and zero token gradients of a batch that routes nothing."""
-  unique, plan = _plan(t, [jnp.full((tokens_per_shard,), -1, jnp.int32)])
+  # One feature block of padding, (b, L) as every block is.
+  unique, plan = _plan(t, [jnp.full((tokens_per_shard, 1), -1, jnp.int32)])
   grads = jnp.zeros((tokens_per_shard, t.spec.dim), jnp.float32)
   return make_residuals(unique, plan, ()), grads
 

@@ -140,8 +140,9 @@ def test_optax_rows_is_lazy_adam_in_the_sync_path():
 # -- the context handle -------------------------------------------------------
 
 
-def _emb(n, opt=None, backend="xla", kind="auto"):
-  table = pe.TableSpec("t", V, D, optimizer=opt or pe.RowWiseAdagrad(0.2, half_life_steps=None))
+def _emb(n, opt=None, backend="xla", kind="auto", placement="auto"):
+  opt = opt or pe.RowWiseAdagrad(0.2, half_life_steps=None)
+  table = pe.TableSpec("t", V, D, optimizer=opt, placement=placement)
   return pe.ShardedEmbedding(
     [table], [pe.FeatureSpec("f", "t", "sum")], make_mesh(n, kind=kind), "x", backend
   )
@@ -374,6 +375,17 @@ def test_async_pipeline_equals_sync_loop_one_step_stale(num_devices, kind):
   # ... and differs from unstaled training: the staleness is real.
   fresh, _ = _run_sync_reference(emb, batches, stale=False)
   assert np.abs(fresh - table).max() > 1e-4
+
+
+def test_a_replicated_table_trains_in_the_async_pipeline_one_step_stale():
+  """Its first step applies the empty update of a table stored whole on
+  every device (`replicated_ops.empty_shard`)."""
+  emb = _emb(8, placement="replicated")
+  batches = _batches(4)
+  table, _, _ = _run_pipeline(emb, pe.TrainConfig(use_async_emb=True), batches)
+  ref_table, _ = _run_sync_reference(emb, batches, stale=True)
+  np.testing.assert_allclose(table, ref_table, rtol=1e-6, atol=1e-7)
+  assert np.abs(table - np.asarray(emb.logical_table(emb.init(jax.random.key(0)), "t"))).max() > 0
 
 
 @pytest.mark.parametrize("num_devices", [1, 8])
