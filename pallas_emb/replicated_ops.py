@@ -34,6 +34,7 @@ from pallas_emb.state import TableMetrics, TableResiduals
 from sharding.dedup import Unique, dedup, unique_keys
 from sharding.layout import SENTINEL
 from sharding.route import RoutePlan, take_rows
+from sharding.sorted_sums import of_dedup, segment_sum
 
 
 def _rows(keys: jax.Array) -> jax.Array:
@@ -58,6 +59,7 @@ def _plan(t: ShardedTable, blocks: Sequence) -> tuple[Unique, RoutePlan]:
     # Every distinct id goes to the one (local) owner.
     route_demand=unique.num_unique,
     owner_demand=kept,
+    token_sums=of_dedup(unique),
   )
 
 
@@ -102,18 +104,12 @@ def _merged_grads(t: ShardedTable, res: TableResiduals, token_grads):
   """(merge, per-row summed gradients, capacity): every device's distinct
   rows and their sums, gathered in device order and added per row."""
   plan = res.plan
-  size = plan.send_keys.shape[0]
-  send = jax.ops.segment_sum(
-    token_grads, jnp.where(plan.token_slot >= 0, plan.token_slot, size), num_segments=size
-  )
+  send = segment_sum(token_grads, plan.token_slot, plan.send_keys.shape[0], plan.token_sums)
   keys = jax.lax.all_gather(plan.send_keys, t.axis, tiled=True)
   sums = jax.lax.all_gather(send, t.axis, tiled=True)
   cap = owner_capacity(t)
   merged = unique_keys(keys, cap, t.dedup_method)
-  grads = jax.ops.segment_sum(
-    sums, jnp.where(merged.inverse >= 0, merged.inverse, cap), num_segments=cap
-  )
-  return merged, grads, cap
+  return merged, segment_sum(sums, merged.inverse, cap, of_dedup(merged)), cap
 
 
 def grad_norm_shard(t: ShardedTable, res: TableResiduals, token_grads: jax.Array) -> jax.Array:

@@ -178,6 +178,7 @@ def empty_shard(t: ShardedTable, tokens_per_shard: int) -> tuple[TableResiduals,
     num_shards=t.num_shards,
     route_capacity=caps.route,
     owner_capacity=caps.owner,
+    method=t.dedup_method,
   )
   grads = jnp.zeros((tokens_per_shard, t.spec.dim), jnp.float32)
   counts = None

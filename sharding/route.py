@@ -16,7 +16,9 @@ owner); every id of the source maps to the slot of its distinct id
 So per direction a source runs one row gather or one segment sum, and the
 ids map to their slots without a gather when dedup sorted them ("sort"): the
 slots are computed in sorted order and scattered back, which is what the
-TPU compiler handles well (see `sharding.dedup`).
+TPU compiler handles well (see `sharding.dedup`). The plan then also keeps
+both sums' ids in that sorted order (`token_sums`, `owner_sums`), so that
+`to_owners` does not sort them again (`sharding.sorted_sums`).
 
 Buffers are static: each source sends at most `route_capacity` ids to each
 owner, and each owner merges at most `owner_capacity` distinct rows. Ids over
@@ -33,6 +35,7 @@ import jax.numpy as jnp
 
 from sharding.dedup import Unique, UniqueImpl, unique_keys
 from sharding.layout import SENTINEL
+from sharding.sorted_sums import SortedSlots, in_order, none_of, of_dedup, segment_sum
 
 
 class RoutePlan(NamedTuple):
@@ -58,6 +61,10 @@ class RoutePlan(NamedTuple):
       the route capacity cut them.
     owner_demand: () distinct rows this owner received, before the owner
       capacity cut them.
+    token_sums: `token_slot` in ascending slot order (the dedup's sort), or
+      None where the dedup did not sort ("search").
+    owner_sums: `owner_inverse` in ascending order (the merge's sort), or
+      None where the merge did not sort.
   """
 
   token_slot: jax.Array
@@ -69,6 +76,8 @@ class RoutePlan(NamedTuple):
   num_overflow: jax.Array
   route_demand: jax.Array
   owner_demand: jax.Array
+  token_sums: SortedSlots | None = None
+  owner_sums: SortedSlots | None = None
 
 
 # The per-device scalar fields of a RoutePlan.
@@ -76,12 +85,18 @@ PLAN_SCALARS = ("num_owner_unique", "num_overflow", "route_demand", "owner_deman
 
 
 def empty_plan(
-  *, num_ids: int, num_shards: int, route_capacity: int, owner_capacity: int
+  *,
+  num_ids: int,
+  num_shards: int,
+  route_capacity: int,
+  owner_capacity: int,
+  method: str = "search",
 ) -> RoutePlan:
   """The plan of a device that routes nothing (no id, no owner row).
 
-  Shaped like `plan_route`'s result for the same capacities, so an update
-  that applies nothing has the same structure as one that does.
+  Shaped like `plan_route`'s result for the same capacities and dedup
+  `method`, so an update that applies nothing has the same structure as one
+  that does.
   """
   full = lambda n: jnp.full((n,), -1, jnp.int32)
   zero = jnp.zeros((), jnp.int32)
@@ -96,6 +111,8 @@ def empty_plan(
     num_overflow=zero,
     route_demand=zero,
     owner_demand=zero,
+    token_sums=none_of(num_ids) if method == "sort" else None,
+    owner_sums=none_of(slots) if method == "sort" else None,
   )
 
 
@@ -160,15 +177,17 @@ def plan_route(
     rows_per_shard=rows_per_shard,
     route_capacity=route_capacity,
   )
+  token_sums = None
   if unique.order is not None:
     # Sorted inputs: their slots come out in sorted order; scatter them back.
-    token_slot = _slots(
+    sorted_slot = _slots(
       unique.sorted_keys,
       unique.sorted_slot,
       rows_per_shard=rows_per_shard,
       route_capacity=route_capacity,
     )[0]
-    token_slot = jnp.zeros_like(token_slot).at[unique.order].set(token_slot, unique_indices=True)
+    token_slot = jnp.zeros_like(sorted_slot).at[unique.order].set(sorted_slot, unique_indices=True)
+    token_sums = SortedSlots(unique.order, sorted_slot)
   else:
     token_slot = jnp.where(unique.inverse >= 0, jnp.take(slot, jnp.maximum(unique.inverse, 0)), -1)
   num_slots = num_shards * route_capacity
@@ -188,6 +207,10 @@ def plan_route(
     merged = unique_keys(
       jnp.where(recv_rows >= 0, recv_rows, SENTINEL), owner_capacity, method, impl=unique_impl
     )
+  owner_sums = of_dedup(merged)
+  if method == "sort" and owner_sums is None:
+    # The identity merge did not sort: its slots ascend as they arrived.
+    owner_sums = in_order(merged.inverse)
   return RoutePlan(
     token_slot=token_slot,
     send_keys=send_keys,
@@ -199,6 +222,8 @@ def plan_route(
     # A run's last key has position run length - 1.
     route_demand=jnp.max(position) + 1,
     owner_demand=merged.num_unique,
+    token_sums=token_sums,
+    owner_sums=owner_sums,
   )
 
 
@@ -226,20 +251,16 @@ def to_owners(plan: RoutePlan, values: jax.Array, *, axis_name) -> jax.Array:
 
   Returns:
     (owner_capacity, ...) per owner row, summed in id order per source, then
-    over sources in source order; zero for padding rows.
+    over sources in source order; zero for padding rows. The same bits
+    whether or not the plan keeps the sums' sorted orders.
   """
   num_slots = plan.owner_inverse.shape[0]
-  send = jax.ops.segment_sum(
-    values, _drop_negative(plan.token_slot, num_slots), num_segments=num_slots
-  )
+  send = segment_sum(values, plan.token_slot, num_slots, plan.token_sums)
   if is_identity(plan, axis_name):
     # One source and every slot its own owner row: nothing moves or merges.
     return send
-  owner_capacity = plan.owner_rows.shape[0]
-  return jax.ops.segment_sum(
-    exchange(send, axis_name),
-    _drop_negative(plan.owner_inverse, owner_capacity),
-    num_segments=owner_capacity,
+  return segment_sum(
+    exchange(send, axis_name), plan.owner_inverse, plan.owner_rows.shape[0], plan.owner_sums
   )
 
 

@@ -42,6 +42,9 @@ class AsyncEmbGradientUpdate(NamedTuple):
     pending: bool scalar; False for the empty update (first step, after a
       flush): nothing is applied.
     plan: the lookup's `RoutePlan` (which owner holds which unique id).
+      Where the dedup sorted (a TPU), its `token_sums` are `segment_ids`
+      in sorted order: an update is made whole by `from_residuals`, never
+      by replacing `segment_ids` alone.
     num_invalid: (S,) int32 invalid ids per data shard in that lookup.
     num_overflow: (S,) int32 unique-capacity overflow per data shard.
     num_unique: (S,) int32 distinct valid ids per data shard, kept or not.

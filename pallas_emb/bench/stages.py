@@ -33,6 +33,7 @@ import numpy as np
 from pallas_emb import packing, stored_rows
 from pallas_emb.kernels import native_lib
 from pallas_emb.kernels import xla as xla_kernels
+from sharding import sorted_sums
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -97,15 +98,16 @@ def xla_stages(
   plan = jax.jit(lambda i: emb.plan({feature.name: i})[name])
   res = plan(ids)
   # One device: the send slots are the owner rows (`route.is_identity`), so
-  # the update's segment sum is by `token_slot` straight into them.
+  # the update's segment sum is by `token_slot` straight into them (in the
+  # dedup's sorted order where it sorted, as `route.to_owners` sums).
   rows, inverse = res.plan.owner_rows, res.plan.token_slot
   capacity = rows.shape[0]
 
   @jax.jit
-  def segment_sum(g, inv):
-    return jax.ops.segment_sum(g, jnp.where(inv < 0, capacity, inv), num_segments=capacity)
+  def segment_sum(g, inv, in_order):
+    return sorted_sums.segment_sum(g, inv, capacity, in_order)
 
-  sums = segment_sum(grads, inverse)
+  sums = segment_sum(grads, inverse, res.plan.token_sums)
 
   @jax.jit
   def norm(x):  # the update's overflow-safe norm, less its collectives
@@ -147,7 +149,7 @@ def xla_stages(
     got = {
       "step": _timed(step),
       "dedup": _timed(lambda: plan(ids)),
-      "segment_sum": _timed(lambda: segment_sum(grads, inverse)),
+      "segment_sum": _timed(lambda: segment_sum(grads, inverse, res.plan.token_sums)),
       "norm": _timed(lambda: norm(sums)),
     }
     s = shared.state[name]
