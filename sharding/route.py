@@ -54,7 +54,8 @@ class RoutePlan(NamedTuple):
       read/update, ascending, -1 padding. Distinct: the update kernel relies
       on it.
     owner_inverse: (num_shards * route_capacity,) slot in `owner_rows` of
-      each received id, -1 for an empty or dropped slot.
+      each received id, -1 for an empty or dropped slot; None where
+      `owner_sums` holds it in sorted order.
     num_owner_unique: () distinct rows received by this owner (kept).
     num_overflow: () ids dropped by this device for route or owner capacity.
     route_demand: () the most ids this source had for one owner, before
@@ -63,15 +64,18 @@ class RoutePlan(NamedTuple):
       capacity cut them.
     token_sums: `token_slot` in ascending slot order (the dedup's sort), or
       None where the dedup did not sort ("search").
-    owner_sums: `owner_inverse` in ascending order (the merge's sort), or
-      None where the merge did not sort.
+    owner_sums: the received ids' slots in `owner_rows` in ascending order
+      (the merge's sort), or None where the merge did not sort. Only the
+      segment sum of `to_owners` reads them, so a plan holds them once:
+      as `owner_inverse` or as `owner_sums` (on a TPU, the scatter that
+      puts them in received order would cost more than that sort).
   """
 
   token_slot: jax.Array
   send_keys: jax.Array
   recv_rows: jax.Array
   owner_rows: jax.Array
-  owner_inverse: jax.Array
+  owner_inverse: jax.Array | None
   num_owner_unique: jax.Array
   num_overflow: jax.Array
   route_demand: jax.Array
@@ -106,7 +110,7 @@ def empty_plan(
     send_keys=jnp.full((slots,), SENTINEL, jnp.int32),
     recv_rows=full(slots),
     owner_rows=full(owner_capacity),
-    owner_inverse=full(slots),
+    owner_inverse=None if method == "sort" else full(slots),
     num_owner_unique=zero,
     num_overflow=zero,
     route_demand=zero,
@@ -207,16 +211,18 @@ def plan_route(
     merged = unique_keys(
       jnp.where(recv_rows >= 0, recv_rows, SENTINEL), owner_capacity, method, impl=unique_impl
     )
-  owner_sums = of_dedup(merged)
-  if method == "sort" and owner_sums is None:
-    # The identity merge did not sort: its slots ascend as they arrived.
-    owner_sums = in_order(merged.inverse)
+  owner_inverse, owner_sums = merged.inverse, None
+  if method == "sort":
+    owner_inverse, owner_sums = None, of_dedup(merged)
+    if owner_sums is None:
+      # The identity merge did not sort: its slots ascend as they arrived.
+      owner_sums = in_order(merged.inverse)
   return RoutePlan(
     token_slot=token_slot,
     send_keys=send_keys,
     recv_rows=recv_rows,
     owner_rows=jnp.where(merged.keys != SENTINEL, merged.keys, -1),
-    owner_inverse=merged.inverse,
+    owner_inverse=owner_inverse,
     num_owner_unique=jnp.minimum(merged.num_unique, owner_capacity),
     num_overflow=jnp.sum(valid & (slot < 0), dtype=jnp.int32) + merged.num_overflow,
     # A run's last key has position run length - 1.
@@ -254,7 +260,7 @@ def to_owners(plan: RoutePlan, values: jax.Array, *, axis_name) -> jax.Array:
     over sources in source order; zero for padding rows. The same bits
     whether or not the plan keeps the sums' sorted orders.
   """
-  num_slots = plan.owner_inverse.shape[0]
+  num_slots = plan.recv_rows.shape[0]
   send = segment_sum(values, plan.token_slot, num_slots, plan.token_sums)
   if is_identity(plan, axis_name):
     # One source and every slot its own owner row: nothing moves or merges.
@@ -298,7 +304,7 @@ def is_identity(plan: RoutePlan, axis_name) -> bool:
   Then nothing travels: `to_owners` is one segment sum of the ids' values
   by `token_slot`, and a caller may fuse it with what the owner does next.
   """
-  return jax.lax.axis_size(axis_name) == 1 and plan.owner_inverse.shape == plan.owner_rows.shape
+  return jax.lax.axis_size(axis_name) == 1 and plan.recv_rows.shape == plan.owner_rows.shape
 
 
 def exchange(x: jax.Array, axis_name) -> jax.Array:

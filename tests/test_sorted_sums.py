@@ -62,7 +62,9 @@ def test_a_sum_of_ids_none_of_which_has_a_slot_is_zero():
 
 
 def _route_sums(mesh, layout, ids, values, caps, method):
+  """(owner rows, owner sums, the jaxpr, the traced plan) per device."""
   unique_cap, route_cap, owner_cap = caps
+  plans = []
 
   def fn(ids, values):
     u = dedup(ids, layout, unique_cap, method)
@@ -75,11 +77,12 @@ def _route_sums(mesh, layout, ids, values, caps, method):
       axis_name="x",
       method=method,
     )
+    plans.append(plan)
     return plan.owner_rows, to_owners(plan, values, axis_name="x")
 
   f = jax.shard_map(fn, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
   rows, sums = jax.jit(f)(ids, values)
-  return np.asarray(rows), np.asarray(sums), jax.make_jaxpr(f)(ids, values).jaxpr
+  return np.asarray(rows), np.asarray(sums), jax.make_jaxpr(f)(ids, values).jaxpr, plans[-1]
 
 
 def _scatter_adds(jaxpr):
@@ -105,8 +108,8 @@ def test_routing_by_the_sort_sums_the_bits_of_the_search_without_sorting_again(s
   # Route capacity 6 cuts ids in the middle of the sorted order on 8
   # shards; unique capacity 40 the largest ids on one.
   caps = (40, 6 if shards > 1 else 40, min(shards * 6, layout.rows_per_shard))
-  rows, sums, search = _route_sums(mesh, layout, ids, values, caps, "search")
-  sort_rows, sort_sums, sort = _route_sums(mesh, layout, ids, values, caps, "sort")
+  rows, sums, search, search_plan = _route_sums(mesh, layout, ids, values, caps, "search")
+  sort_rows, sort_sums, sort, sort_plan = _route_sums(mesh, layout, ids, values, caps, "sort")
   np.testing.assert_array_equal(sort_rows, rows)
   np.testing.assert_array_equal(sort_sums, sums)
   assert (rows >= 0).sum() > 0 and np.isfinite(sums).all()
@@ -114,6 +117,10 @@ def test_routing_by_the_sort_sums_the_bits_of_the_search_without_sorting_again(s
   # TPU); the search's are not.
   assert _scatter_adds(sort) and all(_scatter_adds(sort))
   assert not any(_scatter_adds(search))
+  # The sort's plan holds the owner's slots only in sorted order: nothing
+  # scatters them back into received order.
+  assert sort_plan.owner_inverse is None and sort_plan.owner_sums is not None
+  assert search_plan.owner_sums is None and search_plan.token_sums is None
 
 
 # -- through the async pipeline ------------------------------------------------
@@ -141,13 +148,13 @@ def _batches(n):
   ]
 
 
-def _train(batches):
+def _train(batches, mesh):
   tables = [
     pe.TableSpec("t", V, D, optimizer=pe.RowWiseAdagrad(0.2, half_life_steps=None)),
     pe.TableSpec("r", 11, D, optimizer=pe.SGD(0.3), placement="replicated"),
   ]
   features = [pe.FeatureSpec("f", "t", "sum"), pe.FeatureSpec("g", "r", "sum")]
-  emb = pe.ShardedEmbedding(tables, features, make_mesh(8), "x", "xla")
+  emb = pe.ShardedEmbedding(tables, features, mesh, "x", "xla")
   tr = pe.make_trainer(
     emb, _loss_fn, optax.sgd(0.1), pe.TrainConfig(use_async_emb=True), batches[0]
   )
@@ -155,19 +162,22 @@ def _train(batches):
   for t in range(len(batches)):
     state, _ = tr.step(state, batches[t], batches[min(t + 1, len(batches) - 1)])
   state, _ = tr.flush(state)
-  return [np.asarray(emb.logical_table(state.tables, n)) for n in ("t", "r")]
+  # Whether the run routed by sorted sums: its plan says.
+  sorted_sums = emb.plan(batches[0]["ids"])["t"].plan.token_sums is not None
+  return [np.asarray(emb.logical_table(state.tables, n)) for n in ("t", "r")], sorted_sums
 
 
 def test_the_async_pipeline_trains_the_same_bits_with_the_sorts_plans(monkeypatch):
   batches = _batches(4)
-  search = _train(batches)
+  mesh = make_mesh(8)
+  search, sorted_search = _train(batches, mesh)
   # The programs are cached by their static table, which does not say how
-  # it dedups: compile the sort's afresh, and leave none of them behind.
-  jax.clear_caches()
+  # it dedups: the sort's run gets a mesh of its own (the same devices in
+  # reverse order, which no other test builds), so that it compiles afresh
+  # and no other test finds its programs.
   monkeypatch.setattr(ShardedTable, "dedup_method", property(lambda self: "sort"))
-  try:
-    sort = _train(batches)
-  finally:
-    jax.clear_caches()
+  reversed_mesh = jax.sharding.Mesh(mesh.devices[::-1], mesh.axis_names)
+  sort, sorted_sort = _train(batches, reversed_mesh)
+  assert sorted_sort and not sorted_search
   for a, b in zip(search, sort):
     np.testing.assert_array_equal(b, a)
