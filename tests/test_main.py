@@ -151,7 +151,8 @@ def test_library_errors_are_one_line_with_the_fix_and_no_traceback(tmp_path):
 @pytest.mark.slow
 def test_kill_and_resume_is_bit_identical(tmp_path):
   common = ["--steps=40", "--eval_every=15"]
-  _finish(_job(*common, f"--save_tables={tmp_path}/ref.npz"))  # uninterrupted
+  # The uninterrupted run needs no process of its own.
+  _run_in_process(*SMALL, *common, f"--save_tables={tmp_path}/ref.npz")
   ckpt = tmp_path / "ckpt"
   victim = _job(*common, f"--checkpoint_dir={ckpt}", "--checkpoint_every=10")
   # SIGKILL at a random moment after the first checkpoint landed.
@@ -269,13 +270,9 @@ def _free_port():
 @pytest.mark.slow
 def test_two_processes_match_one_process(tmp_path):
   common = ["--steps=10"]
-  _finish(
-    _job(
-      *common,
-      "--devices=8",
-      f"--save_tables={tmp_path}/sp.npz",
-      f"--report_json={tmp_path}/sp.json",
-    )
+  # The one-process run in this process (8 of its devices).
+  _run_in_process(
+    *SMALL, *common, f"--save_tables={tmp_path}/sp.npz", f"--report_json={tmp_path}/sp.json"
   )
   port = _free_port()
   procs = [
