@@ -1,9 +1,10 @@
 """The training step compiled for real TPU topologies, on this CPU machine.
 
-libtpu (from the test extra) compiles deviceless; each compile runs in a
-subprocess (`python -m pallas_emb.pod_check`) without network access
-(`unshare -n`). The compiles run two at a time, as the module's first test
-asks for them, and the tests read their reports:
+libtpu (from the test extra) compiles deviceless, without network access
+(`unshare -n`), in two processes that take the cases one at a time and run
+each as `python -m pallas_emb.pod_check ARGS` would (its `main`). The
+compiles run as the module's first test asks for them, and the tests read
+their reports:
 
 * the main job's async step compiles with the block kernels for v5e, v6e
   and v5p, and with FTRL on v5e;
@@ -45,6 +46,7 @@ import concurrent.futures
 import importlib.util
 import json
 import os
+import queue
 import subprocess
 import sys
 
@@ -213,29 +215,48 @@ GRID_COMPILES = {
 }
 
 
-def _compile(tmp_path, name, args):
-  out = tmp_path / f"{name}.json"
+# One compile process per worker thread, fed one case at a time (a JSON
+# argument list per line of stdin, "done" on stdout after each): the cases
+# share the interpreter's, JAX's and libtpu's start, about 2 s a process.
+RUNNER = """
+import json, sys
+from pallas_emb.pod_check.__main__ import main
+for line in sys.stdin:
+  main(json.loads(line))
+  print("done", flush=True)
+"""
+
+
+def _compile_cases(tmp, cases: queue.Queue, worker: int) -> dict:
+  """Compiles cases from `cases` in one process until none is left."""
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)  # the test process's simulated CPU devices
   # Two compiles at a time: libtpu's lock file must not serialise them.
   env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
-  cmd = [
-    "timeout",
-    "-k",
-    "5",
-    "900",
-    "unshare",
-    "-n",
-    sys.executable,
-    "-m",
-    "pallas_emb.pod_check",
-    "--pipelines=async",
-    f"--json={out}",
-    *args,
-  ]
-  proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-  assert proc.returncode == 0, f"{name}: {proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-  return json.loads(out.read_text())
+  log = tmp / f"worker{worker}.stderr"
+  cmd = ["timeout", "-k", "5", "900", "unshare", "-n", sys.executable, "-c", RUNNER]
+  reports = {}
+  with (
+    open(log, "w") as err,
+    subprocess.Popen(
+      cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True
+    ) as proc,
+  ):
+    while True:
+      try:
+        name, args = cases.get_nowait()
+      except queue.Empty:
+        break
+      out = tmp / f"{name}.json"
+      proc.stdin.write(json.dumps(["--pipelines=async", f"--json={out}", *args]) + "\n")
+      proc.stdin.flush()
+      printed = []
+      while (line := proc.stdout.readline()) not in ("done\n", ""):
+        printed.append(line)
+      assert line, f"{name}: {''.join(printed)[-2000:]}\n{log.read_text()[-4000:]}"
+      reports[name] = json.loads(out.read_text())
+    proc.stdin.close()
+  return reports
 
 
 def _compile_all(tmp_path_factory, compiles):
@@ -243,9 +264,13 @@ def _compile_all(tmp_path_factory, compiles):
     "libtpu is missing: the test extra installs jax[tpu]"
   )
   tmp = tmp_path_factory.mktemp("pod_check")
+  cases = queue.Queue()
+  for item in compiles.items():
+    cases.put(item)
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    futures = {name: pool.submit(_compile, tmp, name, args) for name, args in compiles.items()}
-    return {name: f.result() for name, f in futures.items()}
+    done = list(pool.map(lambda w: _compile_cases(tmp, cases, w), range(2)))
+  reports = {k: v for d in done for k, v in d.items()}
+  return {name: reports[name] for name in compiles}
 
 
 @pytest.fixture(scope="module")

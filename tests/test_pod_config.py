@@ -131,3 +131,14 @@ def test_pod_check_lists_compile_every_combination():
 
   args = _parse(["--dim=16,32", "--dtype=float32,bfloat16", "--optimizer=sgd"])
   assert (args.dim, args.dtype, args.optimizer) == ([16, 32], ["float32", "bfloat16"], ["sgd"])
+
+
+def test_a_process_whose_jax_started_without_the_compile_environment_is_refused():
+  """This process imported JAX under the test's environment (a compilation
+  cache, no TPU topology): libtpu would not see what `prepare` sets. A
+  process that `prepare` set up first may compile case after case
+  (test_pod_check.py runs its cases so)."""
+  from pallas_emb.pod_check import env
+
+  with pytest.raises(RuntimeError, match="must run before JAX is imported"):
+    env.prepare()

@@ -31,14 +31,21 @@ _DEFAULTS = {
 def prepare(async_all_to_all: bool = True) -> None:
   """Sets the environment of a deviceless TPU compile in this process.
 
+  A process may compile case after case (`pod_check.__main__.main` called
+  again): once JAX is imported, a call passes if the environment already
+  holds what it would set.
+
   Raises:
-    RuntimeError: JAX was imported already, so libtpu would not see it.
+    RuntimeError: JAX was imported before the environment was set, so
+      libtpu would not see it.
   """
   if "jax" in sys.modules:
-    raise RuntimeError(
-      "pallas_emb.pod_check.env.prepare() must run before JAX is imported; "
-      "start a fresh process with `python -m pallas_emb.pod_check`."
-    )
+    if not _prepared(async_all_to_all):
+      raise RuntimeError(
+        "pallas_emb.pod_check.env.prepare() must run before JAX is imported; "
+        "start a fresh process with `python -m pallas_emb.pod_check`."
+      )
+    return
   for key, value in _DEFAULTS.items():
     os.environ.setdefault(key, value)
   # A deviceless executable cannot be read back from a persistent cache
@@ -47,3 +54,12 @@ def prepare(async_all_to_all: bool = True) -> None:
   args = os.environ.get("LIBTPU_INIT_ARGS", "")
   if async_all_to_all and ASYNC_ALL_TO_ALL not in args:
     os.environ["LIBTPU_INIT_ARGS"] = f"{args} {ASYNC_ALL_TO_ALL}".strip()
+
+
+def _prepared(async_all_to_all: bool) -> bool:
+  """Whether the environment holds what `prepare` would set."""
+  return (
+    all(key in os.environ for key in _DEFAULTS)
+    and "JAX_COMPILATION_CACHE_DIR" not in os.environ
+    and (not async_all_to_all or ASYNC_ALL_TO_ALL in os.environ.get("LIBTPU_INIT_ARGS", ""))
+  )
