@@ -79,6 +79,22 @@ pytestmark = [
   ),
 ]
 
+
+def _kernel_shapes(*flags: str, topology: str = "v5e:2x2") -> list[str]:
+  """W-TPU's step at 4M rows and 64 examples per chip, every update in the
+  block kernel (`--forms=block`), with `flags`: its widths, dtypes and
+  optimizers. 4M rows, so that a whole-shard buffer of even the narrowest
+  table (D=16 bfloat16: 31 MiB) would exceed the temp bound."""
+  return [
+    f"--topology={topology}",
+    "--workload=w_tpu",
+    "--vocab=4000000",
+    "--examples_per_chip=64",
+    "--forms=block",
+    *flags,
+  ]
+
+
 COMPILES = {
   "main": [
     "--topology=v5e:2x2,v6e:2x2,v5p:2x2x1",
@@ -120,52 +136,19 @@ COMPILES = {
   # The file's 1,024 examples per chip overridden: the assertion is relative.
   "config": ["--topology=v5e:2x2", f"--config={EXAMPLE_CONFIG}", "--examples_per_chip=256"],
   # Every table shape on the kernel path: W-TPU's step for each width,
-  # dtype and optimizer (one process compiles every case). 4M rows, so that
-  # a whole-shard buffer of even the narrowest table (D=16 bfloat16: 31 MiB)
-  # would exceed the temp bound.
-  "shapes": [
-    "--topology=v5e:2x2",
-    "--workload=w_tpu",
-    "--vocab=4000000",
-    "--examples_per_chip=64",
-    "--dtype=float32,bfloat16",
-    "--dim=16,128",
-    "--optimizer=rowwise_adagrad,lazy_adam",
-    "--forms=block",
-  ],
+  # dtype and optimizer (one process compiles every case).
+  "shapes": _kernel_shapes(
+    "--dtype=float32,bfloat16", "--dim=16,128", "--optimizer=rowwise_adagrad,lazy_adam"
+  ),
   # Widths stored padded (96 -> 128 words, 192 -> 256; bf16 96 -> 64 words
   # packed 2 to a row, 192 -> 128): on the kernel path too.
-  "padded": [
-    "--topology=v5e:2x2",
-    "--workload=w_tpu",
-    "--vocab=4000000",
-    "--examples_per_chip=64",
-    "--dtype=float32,bfloat16",
-    "--dim=96,192",
-    "--optimizer=rowwise_adagrad",
-    "--forms=block",
-  ],
-  "optimizers": [
-    "--topology=v5e:2x2",
-    "--workload=w_tpu",
-    "--vocab=4000000",
-    "--examples_per_chip=64",
-    "--dim=32",
-    "--optimizer=ftrl,adagrad,sgd",
-    "--forms=block",
-  ],
+  "padded": _kernel_shapes(
+    "--dtype=float32,bfloat16", "--dim=96,192", "--optimizer=rowwise_adagrad"
+  ),
+  "optimizers": _kernel_shapes("--dim=32", "--optimizer=ftrl,adagrad,sgd"),
   # OptaxRows (optax.adam per row): its math in XLA, its rows through the
   # kernels (kernels.staged_update); synchronous only.
-  "optax_rows": [
-    "--topology=v5e:2x2",
-    "--workload=w_tpu",
-    "--vocab=4000000",
-    "--examples_per_chip=64",
-    "--pipelines=sync",
-    "--dim=16,128",
-    "--optimizer=optax_rows",
-    "--forms=block",
-  ],
+  "optax_rows": _kernel_shapes("--pipelines=sync", "--dim=16,128", "--optimizer=optax_rows"),
   # The main job as it runs (D=16 tables) and the DLRM configuration's 26
   # tables (D=16..128, rows capped at 20k).
   "main_d16": ["--topology=v5e:2x2", "--workload=main", "--examples_per_chip=128", "--forms=block"],
@@ -182,36 +165,18 @@ COMPILES = {
 # The grid's rest, under `-m grid`: v6e for every shape, D in {32, 64}, and
 # LazyAdam at the padded widths.
 GRID_COMPILES = {
-  "shapes_v6e": [
-    "--topology=v6e:2x2",
-    "--workload=w_tpu",
-    "--vocab=4000000",
-    "--examples_per_chip=64",
+  "shapes_v6e": _kernel_shapes(
     "--dtype=float32,bfloat16",
     "--dim=16,32,64,128",
     "--optimizer=rowwise_adagrad,lazy_adam",
-    "--forms=block",
-  ],
-  "shapes_d32_d64": [
-    "--topology=v5e:2x2",
-    "--workload=w_tpu",
-    "--vocab=4000000",
-    "--examples_per_chip=64",
-    "--dtype=float32,bfloat16",
-    "--dim=32,64",
-    "--optimizer=rowwise_adagrad,lazy_adam",
-    "--forms=block",
-  ],
-  "padded_lazy_adam": [
-    "--topology=v5e:2x2",
-    "--workload=w_tpu",
-    "--vocab=4000000",
-    "--examples_per_chip=64",
-    "--dtype=float32,bfloat16",
-    "--dim=96,192",
-    "--optimizer=lazy_adam",
-    "--forms=block",
-  ],
+    topology="v6e:2x2",
+  ),
+  "shapes_d32_d64": _kernel_shapes(
+    "--dtype=float32,bfloat16", "--dim=32,64", "--optimizer=rowwise_adagrad,lazy_adam"
+  ),
+  "padded_lazy_adam": _kernel_shapes(
+    "--dtype=float32,bfloat16", "--dim=96,192", "--optimizer=lazy_adam"
+  ),
 }
 
 

@@ -3,8 +3,9 @@
 On a TPU the dedup sorts ("sort") and routing sums in the order that sort
 found (`sharding.sorted_sums`), so that XLA:TPU does not sort the ids of
 each sum again. On this CPU the dedup searches, so these tests run the
-sorted form by asking for it: alone, through routing, and through the async
-pipeline (whose first step routes the empty plan of `empty_plan`).
+sorted form by asking for it: alone, and through the async pipeline (whose
+first step routes the empty plan of `empty_plan`); test_route.py routes by
+it.
 """
 
 import jax
@@ -13,14 +14,9 @@ import numpy as np
 import optax
 import pytest
 from conftest import make_mesh
-from jax.extend.core import jaxprs_in_params
-from jax.sharding import PartitionSpec as P
 
 import pallas_emb as pe
 from pallas_emb.sharded_table import ShardedTable
-from sharding.dedup import dedup
-from sharding.layout import RowLayout
-from sharding.route import plan_route, to_owners
 from sharding.sorted_sums import SortedSlots, segment_sum
 
 
@@ -59,68 +55,6 @@ def test_a_sum_of_ids_none_of_which_has_a_slot_is_zero():
   got = segment_sum(values, slot, 4, SortedSlots(jnp.arange(6, dtype=jnp.int32), slot))
   np.testing.assert_array_equal(np.signbit(got), False)
   np.testing.assert_array_equal(got, 0.0)
-
-
-def _route_sums(mesh, layout, ids, values, caps, method):
-  """(owner rows, owner sums, the jaxpr, the traced plan) per device."""
-  unique_cap, route_cap, owner_cap = caps
-  plans = []
-
-  def fn(ids, values):
-    u = dedup(ids, layout, unique_cap, method)
-    plan = plan_route(
-      u,
-      rows_per_shard=layout.rows_per_shard,
-      num_shards=layout.num_shards,
-      route_capacity=route_cap,
-      owner_capacity=owner_cap,
-      axis_name="x",
-      method=method,
-    )
-    plans.append(plan)
-    return plan.owner_rows, to_owners(plan, values, axis_name="x")
-
-  f = jax.shard_map(fn, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
-  rows, sums = jax.jit(f)(ids, values)
-  return np.asarray(rows), np.asarray(sums), jax.make_jaxpr(f)(ids, values).jaxpr, plans[-1]
-
-
-def _scatter_adds(jaxpr):
-  """`indices_are_sorted` of every scatter-add in `jaxpr`, nested ones too."""
-  found = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "scatter-add":
-      found.append(eqn.params["indices_are_sorted"])
-    for sub in jaxprs_in_params(eqn.params):
-      found += _scatter_adds(sub)
-  return found
-
-
-@pytest.mark.parametrize("shards", [1, 8])
-def test_routing_by_the_sort_sums_the_bits_of_the_search_without_sorting_again(shards):
-  """Ids over the route and the unique capacity, invalid ids and padding,
-  with gradients whose sums depend on their order."""
-  mesh = make_mesh(shards)
-  layout = RowLayout(400, shards, "mod")
-  rng = np.random.default_rng(1)
-  ids = rng.integers(-1, 420, (shards * 64,)).astype(np.int32)
-  values = _values(rng, (shards * 64, 5))
-  # Route capacity 6 cuts ids in the middle of the sorted order on 8
-  # shards; unique capacity 40 the largest ids on one.
-  caps = (40, 6 if shards > 1 else 40, min(shards * 6, layout.rows_per_shard))
-  rows, sums, search, search_plan = _route_sums(mesh, layout, ids, values, caps, "search")
-  sort_rows, sort_sums, sort, sort_plan = _route_sums(mesh, layout, ids, values, caps, "sort")
-  np.testing.assert_array_equal(sort_rows, rows)
-  np.testing.assert_array_equal(sort_sums, sums)
-  assert (rows >= 0).sum() > 0 and np.isfinite(sums).all()
-  # Every sum of the sort's plan is told its ids are sorted (no sort on a
-  # TPU); the search's are not.
-  assert _scatter_adds(sort) and all(_scatter_adds(sort))
-  assert not any(_scatter_adds(search))
-  # The sort's plan holds the owner's slots only in sorted order: nothing
-  # scatters them back into received order.
-  assert sort_plan.owner_inverse is None and sort_plan.owner_sums is not None
-  assert search_plan.owner_sums is None and search_plan.token_sums is None
 
 
 # -- through the async pipeline ------------------------------------------------
