@@ -64,6 +64,29 @@ def test_readme_has_the_two_commands_and_at_most_200_lines():
   assert len(README.splitlines()) <= 200
 
 
+def test_a_worker_that_dies_fails_the_test_command_at_once(tmp_path):
+  """README's test command under this project's pytest options: a worker
+  that aborts fails the run, naming the test it ran, instead of leaving
+  pytest-xdist to wait for a replacement it never gives work (the options'
+  `--max-worker-restart=0`)."""
+  # Without the option this layout hangs pytest-xdist 3.8 (checked).
+  (tmp_path / "test_dies.py").write_text(
+    "import os\n\ndef test_dies():\n  os.abort()\n\ndef test_after():\n  pass\n"
+  )
+  for name in ("test_lives.py", "test_lives_too.py"):
+    (tmp_path / name).write_text("def test_a():\n  pass\n\ndef test_b():\n  pass\n")
+  proc = subprocess.run(
+    [sys.executable, "-m", "pytest", "-q", "-n", "1", "--dist=loadfile", "-p", "no:cacheprovider"]
+    + ["-c", os.path.join(REPO, "pyproject.toml"), "--rootdir", str(tmp_path), str(tmp_path)],
+    capture_output=True,
+    text=True,
+    timeout=60,
+    env=child_env(),
+  )
+  assert proc.returncode == 1, proc.stdout[-2000:]
+  assert "crashed while running 'test_dies.py::test_dies'" in proc.stdout, proc.stdout[-2000:]
+
+
 def test_readme_results_are_the_benchmark_json():
   import json
 
