@@ -100,6 +100,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import jax  # noqa: E402  (must follow the flags)
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from fail_fast import pytest_configure  # noqa: E402, F401  (a hook of this conftest)
 
 NUM_DEVICES = 8
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -65,11 +65,14 @@ def test_readme_has_the_two_commands_and_at_most_200_lines():
 
 
 def test_a_worker_that_dies_fails_the_test_command_at_once(tmp_path):
-  """README's test command under this project's pytest options: a worker
-  that aborts fails the run, naming the test it ran, instead of leaving
-  pytest-xdist to wait for a replacement it never gives work (the options'
-  `--max-worker-restart=0`)."""
-  # Without the option this layout hangs pytest-xdist 3.8 (checked).
+  """Under the suite's hooks (`fail_fast`), a worker that aborts fails the
+  run, naming the test it ran, instead of leaving pytest-xdist to wait for
+  a replacement it never gives work."""
+  # Without the hook this layout hangs pytest-xdist 3.8 (checked).
+  tests = os.path.join(REPO, "tests")
+  (tmp_path / "conftest.py").write_text(
+    f"import sys\nsys.path.insert(0, {tests!r})\nfrom fail_fast import pytest_configure\n"
+  )
   (tmp_path / "test_dies.py").write_text(
     "import os\n\ndef test_dies():\n  os.abort()\n\ndef test_after():\n  pass\n"
   )
