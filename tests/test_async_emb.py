@@ -345,14 +345,12 @@ def _run_sync_reference(emb, batches, stale):
   prev = jax.tree.map(jnp.copy, tables)
   params, opt = PARAMS, optax.sgd(0.1)
   opt_state = opt.init(params)
+  # Jitted, as the Trainer's dense step is (see test_trainer_vocab's
+  # reference: eager dispatch on the mesh aborted a worker now and then).
+  grads = jax.jit(jax.value_and_grad(_loss_fn, argnums=(0, 1), has_aux=True))
   for batch in batches:
     acts, res = emb.lookup(prev if stale else tables, batch["ids"])
-    # Eager ops mixing the mesh's arrays with others need the mesh as context
-    # when its axes are Explicit (the Trainer's jitted step does not).
-    with jax.sharding.set_mesh(emb.mesh):
-      (loss, _), (g_p, g_a) = jax.value_and_grad(_loss_fn, argnums=(0, 1), has_aux=True)(
-        params, acts, batch
-      )
+    (loss, _), (g_p, g_a) = grads(params, acts, batch)
     upd, opt_state = opt.update(g_p, opt_state, params)
     params = optax.apply_updates(params, upd)
     prev = jax.tree.map(jnp.copy, tables)
