@@ -67,8 +67,8 @@ class RoutePlan(NamedTuple):
     owner_sums: the received ids' slots in `owner_rows` in ascending order
       (the merge's sort), or None where the merge did not sort. Only the
       segment sum of `to_owners` reads them, so a plan holds them once:
-      as `owner_inverse` or as `owner_sums` (on a TPU, the scatter that
-      puts them in received order would cost more than that sort).
+      as `owner_inverse` or as `owner_sums` (which saves the scatter that
+      would put them back in received order).
   """
 
   token_slot: jax.Array
