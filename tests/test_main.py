@@ -149,12 +149,16 @@ def test_library_errors_are_one_line_with_the_fix_and_no_traceback(tmp_path):
 
 
 @pytest.mark.slow
-def test_kill_and_resume_is_bit_identical(tmp_path):
-  common = ["--steps=40", "--eval_every=15"]
-  # The uninterrupted run needs no process of its own.
-  _run_in_process(*SMALL, *common, f"--save_tables={tmp_path}/ref.npz")
+def test_kill_and_resume_is_bit_identical(tmp_path, capsys):
   ckpt = tmp_path / "ckpt"
-  victim = _job(*common, f"--checkpoint_dir={ckpt}", "--checkpoint_every=10")
+  common = ["--steps=40", "--eval_every=15", f"--checkpoint_dir={ckpt}", "--checkpoint_every=10"]
+  # The uninterrupted run and the first resume run here and share their
+  # compiles; the run that is killed needs a process of its own, and so does
+  # the resume past a damaged step: orbax's failed read of it leaves
+  # callbacks on a closed event loop that report when collected, as in
+  # test_faults (the read itself fails cleanly, and is checked).
+  _run_in_process(*SMALL, "--steps=40", "--eval_every=15", f"--save_tables={tmp_path}/ref.npz")
+  victim = _job(*common)
   # SIGKILL at a random moment after the first checkpoint landed.
   deadline = time.time() + 240
   while not (ckpt.exists() and any(p.name.isdigit() for p in ckpt.iterdir())):
@@ -163,16 +167,10 @@ def test_kill_and_resume_is_bit_identical(tmp_path):
   time.sleep(random.uniform(0.0, 2.0))
   victim.send_signal(signal.SIGKILL)  # the `timeout` wrapper: kill the job itself too
   subprocess.run(["pkill", "-9", "-f", f"--checkpoint_dir={ckpt}"], check=False)
-  victim.wait()
-  resumed = _job(
-    *common,
-    f"--checkpoint_dir={ckpt}",
-    "--checkpoint_every=10",
-    "--resume",
-    f"--save_tables={tmp_path}/resumed.npz",
-  )
-  out = _finish(resumed)
-  assert "resumed from step" in out
+  victim.communicate()
+  capsys.readouterr()
+  _run_in_process(*SMALL, *common, "--resume", f"--save_tables={tmp_path}/resumed.npz")
+  assert "resumed from step" in capsys.readouterr().out
   ref, got = np.load(tmp_path / "ref.npz"), np.load(tmp_path / "resumed.npz")
   assert sorted(ref) == sorted(got) == ["category", "item", "user"]
   for name in ref:
@@ -185,15 +183,7 @@ def test_kill_and_resume_is_bit_identical(tmp_path):
     key=lambda p: p.stat().st_size,
   )
   data.write_bytes(data.read_bytes()[:100])
-  out = _finish(
-    _job(
-      *common,
-      f"--checkpoint_dir={ckpt}",
-      "--checkpoint_every=10",
-      "--resume",
-      f"--save_tables={tmp_path}/again.npz",
-    )
-  )
+  out = _finish(_job(*common, "--resume", f"--save_tables={tmp_path}/again.npz"))
   assert "checkpoint step 40 is not intact, skipped (kept as 40.corrupt)" in out, out[-3000:]
   assert "resumed from step 30" in out
   got = np.load(tmp_path / "again.npz")
