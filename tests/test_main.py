@@ -80,6 +80,7 @@ def test_short_run_learns(tmp_path):
     "eval_auc",
     "eval_logloss",
     "examples_per_sec",
+    "input_seconds",
     "emb_updates_skipped",
     "invalid_ids",
     "overflow_ids",
@@ -189,6 +190,65 @@ def test_kill_and_resume_is_bit_identical(tmp_path, capsys):
   got = np.load(tmp_path / "again.npz")
   for name in ref:
     np.testing.assert_array_equal(got[name], ref[name], err_msg=name)
+
+
+def test_the_loop_reads_the_batch_after_next_while_a_step_runs():
+  """`loop.train` reads batch t + 2 after it dispatched step t and before it
+  waits for the step's loss; a checkpoint keeps the data position before
+  that read, so a resume reads what an uninterrupted run would."""
+  from types import SimpleNamespace
+
+  from pallas_emb.job.build import Job
+  from pallas_emb.job.loop import Loop, train
+  from pallas_emb.job.run_log import RunLog
+  from pallas_emb.train.best_eval import BestEval
+
+  events = []
+
+  class Batches:  # a grain iterator of batch indices
+    def __init__(self, start):
+      self.next_index = start
+
+    def __next__(self):
+      events.append(f"read {self.next_index}")
+      self.next_index += 1
+      return self.next_index - 1
+
+    def get_state(self):
+      return {"next_index": self.next_index}
+
+  class Loss:  # a step's result, awaited when it is read
+    def __init__(self, t):
+      self.t = t
+
+    def __float__(self):
+      events.append(f"await {self.t}")
+      return 0.5
+
+  def step(state, batch, next_batch):
+    events.append(f"step {batch} {next_batch}")
+    return state, {"loss": Loss(batch), "emb": {}}
+
+  def save(state, shapes, extra):
+    events.append(f"save {extra['data_position']} {extra['data_iterator']}")
+
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS(["pallas_emb", "--log_every=1000", "--checkpoint_every=2"])
+  feeder = SimpleNamespace(
+    train=lambda i: events.append(f"read {i}") or i, iterator=lambda state, start: Batches(start)
+  )
+  job = Job(
+    None, SimpleNamespace(features=[]), "mlp", None, None, feeder, SimpleNamespace(step=step), 0, 4
+  )
+  loop = Loop(RunLog(4, 8, {}), BestEval(), SimpleNamespace(save=save), None)
+  assert train(job, loop, 0, None).steps == 4
+  assert events == [
+    "read 0", "read 1",
+    "step 0 1", "read 2", "await 0",
+    "step 1 2", "read 3", "await 1", "save 2 {'next_index': 3}",
+    "step 2 3", "read 4", "await 2",
+    "step 3 4", "await 3", "save 4 {'next_index': 5}",
+  ]  # fmt: skip
 
 
 def _trainer(num_devices, layout="mod"):

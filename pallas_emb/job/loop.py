@@ -60,16 +60,23 @@ def train(job: Job, loop: Loop, start: int, data_state: dict | None) -> Trained:
   # into each checkpoint, so a resumed run reads what this one would.
   batch, done = feeder.train(start), start
   batches = feeder.iterator(data_state, start=start + 1)
+  next_batch = next(batches) if start < job.steps else None
   for t in range(start, job.steps):
-    next_batch = next(batches)
     tic = time.perf_counter()
     state, m = trainer.step(state, batch, next_batch)
+    # The step is dispatched, not done: the batch after next is read while
+    # it runs, and checkpoints keep the position before that read.
+    position = batches.get_state()
+    read = time.perf_counter()
+    following = next(batches) if t + 1 < job.steps else None
+    read = time.perf_counter() - read
     loss = float(m["loss"])  # blocks: the step is done
     if t == start:
       initial_loss = loss
     done = t + 1
-    run_log.add(done, m, time.perf_counter() - tic, warmup=t - start < WARMUP_STEPS)
-    batch = next_batch
+    # A step's time is the loop's whole: its compute and the read beside it.
+    run_log.add(done, m, time.perf_counter() - tic, t - start < WARMUP_STEPS, read)
+    batch, next_batch = next_batch, following
     if done % FLAGS.log_every == 0 or done == job.steps:
       norms = " ".join(f"{k}={float(v['grad_norm']):.3g}" for k, v in m["emb"].items())
       log(run_log.line(done, loss, norms))
@@ -79,7 +86,7 @@ def train(job: Job, loop: Loop, start: int, data_state: dict | None) -> Trained:
     periodic = FLAGS.checkpoint_every and done % FLAGS.checkpoint_every == 0
     if loop.ckpt is not None and (periodic or (last and done > start)):
       with run_log.phase("checkpoints"):
-        _save(loop, state, job, done, batches, run_log)
+        _save(loop, state, job, done, position, run_log)
     if loop.best.should_stop:
       log(
         f"early stop at step {done}: {loop.best.since_best} evaluations without a lower "
@@ -89,14 +96,15 @@ def train(job: Job, loop: Loop, start: int, data_state: dict | None) -> Trained:
   return Trained(state, loss, initial_loss, history, done)
 
 
-def _save(loop: Loop, state, job: Job, done: int, batches, run_log) -> None:
-  """The latest checkpoint, with where the data and the counters stand."""
+def _save(loop: Loop, state, job: Job, done: int, position: dict, run_log) -> None:
+  """The latest checkpoint, with where the data (`position`: the grain
+  iterator's state) and the counters stand."""
   loop.ckpt.save(
     state,
     job.batch_shapes,
     {
       "data_position": done,
-      "data_iterator": batches.get_state(),
+      "data_iterator": position,
       "counters": dict(run_log.counters),
       "best": loop.best.state(),
     },

@@ -214,6 +214,7 @@ def _report(job: Job, loop: Loop, trained, ev: dict, baselines, mesh) -> dict:
     "examples_per_sec": loop.log.rate,
     "cumulative_examples_per_sec": loop.log.cumulative_rate,
     "phases_seconds": loop.log.phases,
+    "input_seconds": loop.log.input_seconds,
     # Which form (kernels.forms) runs each physical table's update and
     # owners' gather at this batch.
     "kernel_forms": shard_kernels.embedding_forms(job.emb, job.batch_shapes),

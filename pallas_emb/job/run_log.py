@@ -6,8 +6,12 @@ process 0 only.
 Throughput is given twice. The steady-state rate counts the steps after the
 first `WARMUP_STEPS` of a run, which compile (the async pipeline's first
 step, with no pending update, is its own program): what the chip sustains.
-The cumulative rate is every example over the wall time since the loop
-began, compiles, evaluations and checkpoints included: what the run got.
+A step's time is the loop's, from the step's dispatch to its result: the
+input of a later step is read in that time (`loop.train`), so a run whose
+input is slower than its steps shows it in this rate, and the time spent
+reading is reported beside the phases. The cumulative rate is every example
+over the wall time since the loop began, compiles, evaluations and
+checkpoints included: what the run got.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class RunLog:
     self.total_steps, self.batch_size = total_steps, batch_size
     self.counters = {"skipped": 0, "invalid": 0, "overflow": 0, **counters}
     self.steps, self.seconds = 0, 0.0
+    self.input_seconds = 0.0  # reading batches, while the steps ran
     self.all_steps, self.started = 0, time.perf_counter()
     # Seconds per phase but "compile" and "training" (`phases`).
     self._phases: dict[str, float] = {}
@@ -51,11 +56,14 @@ class RunLog:
 
       self.writer = SummaryWriter(tensorboard_dir)
 
-  def add(self, step: int, m: dict, elapsed: float, warmup: bool) -> None:
+  def add(
+    self, step: int, m: dict, elapsed: float, warmup: bool, input_seconds: float = 0.0
+  ) -> None:
     """Counts step `step`'s metrics and its `elapsed` seconds (a `warmup`
     step compiles: its time goes to the "compile" phase beyond what a
-    steady step takes)."""
+    steady step takes), of which `input_seconds` read a batch."""
     self.all_steps += 1
+    self.input_seconds += input_seconds
     if warmup:
       self._warmup_steps += 1
       self._warmup += elapsed
@@ -137,8 +145,13 @@ class RunLog:
     )
 
   def phases_line(self) -> str:
-    """Where the run's time went, in seconds, by phase."""
-    return "phases: " + "  ".join(f"{k} {v:.1f} s" for k, v in self.phases.items())
+    """Where the run's time went, in seconds, by phase, and how much of
+    the steps' time read their input."""
+    return (
+      "phases: "
+      + "  ".join(f"{k} {v:.1f} s" for k, v in self.phases.items())
+      + f"; input read while the steps ran {self.input_seconds:.1f} s"
+    )
 
   def eval(self, step: int, metrics: dict) -> None:
     """Writes an evaluation's AUC and log-loss."""
