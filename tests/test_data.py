@@ -17,6 +17,13 @@ def test_synthetic_batches_are_a_function_of_seed_and_index():
   assert not np.array_equal(a.train_batch(8, 64)["ids"]["user"], x["ids"]["user"])
   assert x["ids"]["history"].shape == (64, a.history_len) and (x["ids"]["history"] >= -1).all()
   assert x["ids"]["user"].dtype == np.int32 and x["dense"].shape == (64, a.num_dense)
+  # A row is the same whichever blocks are made with it: rows 5..36 (parts
+  # of three 16-row blocks) are the whole batch's.
+  part = a.train_rows(7, 64, 5, 37)
+  for k in x["ids"]:
+    np.testing.assert_array_equal(part["ids"][k], x["ids"][k][5:37])
+  for k in ("dense", "label", "true_logit"):
+    np.testing.assert_array_equal(part[k], x[k][5:37])
 
 
 def test_synthetic_ids_are_zipf_and_the_signal_is_learnable():
