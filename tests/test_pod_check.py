@@ -6,8 +6,8 @@ each as `python -m pallas_emb.pod_check ARGS` would (its `main`). The
 compiles run as the module's first test asks for them, and the tests read
 their reports:
 
-* the main job's async step compiles with the block kernels for v5e, v6e
-  and v5p, and with FTRL on v5e;
+* the main job's async step compiles with the block kernels for v5e (its
+  own D=16), v6e and v5p (D=128);
 * W-TPU (one 1M-row table, D=128 f32, `item` + 20-id `history`, on v5e:2x2)
   fits in twice its working set, copies no table or slot, and its update's
   all-to-all overlaps the dense compute;
@@ -18,20 +18,25 @@ their reports:
   flat.
 
 * every table shape: W-TPU's step for D in {16, 128} x {float32,
-  bfloat16} x {RowWiseAdagrad, LazyAdam}, and FTRL, Adagrad and SGD at
-  D=32, and the padded widths D in {96, 192} with RowWiseAdagrad, on v5e,
-  runs its update in the block kernel (`--forms=block`) and fits the bound
-  on temp (the grid's rest runs under `-m grid`: v6e, D in {32, 64},
-  LazyAdam at the padded widths);
+  bfloat16} x {RowWiseAdagrad, LazyAdam} (a pairwise subset: each pair of
+  values in one case), and FTRL, Adagrad and SGD at D=32, and the padded
+  widths float32 D=96 and bfloat16 D=192 with RowWiseAdagrad, on v5e, runs
+  its update in the block kernel (`--forms=block`) and fits the bound on
+  temp (the grid's rest runs under `-m grid`: the other half of the product,
+  v6e, D in {32, 64}, the other padded cases, LazyAdam at the padded
+  widths);
 * `OptaxRows`, whose math runs in XLA, moves its rows through the block
-  kernels and copies no table or slot;
+  kernels and copies no table or slot (D=16; D=128 under `-m grid`);
 * the main job at its own D=16 and the DLRM configuration (26 tables, 4
-  stacks) update every table in the block kernel and copy none;
+  stacks) update every table in the block kernel and copy none (and, under
+  `-m grid`, the main job at D=128 on v5e and with FTRL);
 * the cost model's forms (`--forms=auto`, the default) are in every report:
   W-TPU's 256 examples per chip take XLA's scatter, as measured.
 * the all-to-alls' charge in XLA's cost model, probed op by op (`probes`).
 
-These compile at small batches: 256 examples per chip (W-TPU, which is also
+Each compile costs 3 to 15 CPU-s (DLRM's the most), and they are a third of
+CI's CPU time, so CI compiles one case per thing checked and the grid the
+rest. These compile at small batches: 256 examples per chip (W-TPU, which is also
 the small end of the scaling pair, and the configuration file), 64 for the
 shapes and the dynamic table (its map's compile is the longest: 18 s at 256, 10 s at 64).
 A compile's time grows with the batch (W-TPU's 4,096 examples per chip take
@@ -95,14 +100,46 @@ def _kernel_shapes(*flags: str, topology: str = "v5e:2x2") -> list[str]:
   ]
 
 
-COMPILES = {
-  "main": [
-    "--topology=v5e:2x2,v6e:2x2,v5p:2x2x1",
+def _main_d128(*flags: str, topology: str = "v5e:2x2") -> list[str]:
+  """The main job's step with D=128 tables in the block kernels."""
+  return [
+    f"--topology={topology}",
     "--workload=main",
     "--dim=128",
     "--examples_per_chip=128",
     "--forms=block",
-  ],
+    *flags,
+  ]
+
+
+# The shape product's pairwise half: each pair of (dtype, width, optimizer)
+# values is in one case; the other half is the grid's.
+SHAPES = [
+  ("float32", 16, "rowwise_adagrad"),
+  ("float32", 128, "lazy_adam"),
+  ("bfloat16", 16, "lazy_adam"),
+  ("bfloat16", 128, "rowwise_adagrad"),
+]
+SHAPES_REST = [
+  ("float32", 16, "lazy_adam"),
+  ("float32", 128, "rowwise_adagrad"),
+  ("bfloat16", 16, "rowwise_adagrad"),
+  ("bfloat16", 128, "lazy_adam"),
+]
+
+
+def _shape_cases(prefix: str, shapes) -> dict[str, list[str]]:
+  return {
+    f"{prefix}_{dtype}_d{dim}_{opt}": _kernel_shapes(
+      f"--dtype={dtype}", f"--dim={dim}", f"--optimizer={opt}"
+    )
+    for dtype, dim, opt in shapes
+  }
+
+
+COMPILES = {
+  # v5e's main job is main_d16's.
+  "main": _main_d128(topology="v6e:2x2,v5p:2x2x1"),
   # W-TPU's table with a dynamic vocabulary, beside the same step static.
   "dynamic": [
     "--topology=v5e:2x2",
@@ -136,35 +173,30 @@ COMPILES = {
   # The file's 1,024 examples per chip overridden: the assertion is relative.
   "config": ["--topology=v5e:2x2", f"--config={EXAMPLE_CONFIG}", "--examples_per_chip=256"],
   # Every table shape on the kernel path: W-TPU's step for each width,
-  # dtype and optimizer (one process compiles every case).
-  "shapes": _kernel_shapes(
-    "--dtype=float32,bfloat16", "--dim=16,128", "--optimizer=rowwise_adagrad,lazy_adam"
-  ),
+  # dtype and optimizer.
+  **_shape_cases("shapes", SHAPES),
   # Widths stored padded (96 -> 128 words, 192 -> 256; bf16 96 -> 64 words
   # packed 2 to a row, 192 -> 128): on the kernel path too.
-  "padded": _kernel_shapes(
-    "--dtype=float32,bfloat16", "--dim=96,192", "--optimizer=rowwise_adagrad"
-  ),
+  "padded_f32": _kernel_shapes("--dtype=float32", "--dim=96", "--optimizer=rowwise_adagrad"),
+  "padded_bf16": _kernel_shapes("--dtype=bfloat16", "--dim=192", "--optimizer=rowwise_adagrad"),
   "optimizers": _kernel_shapes("--dim=32", "--optimizer=ftrl,adagrad,sgd"),
   # OptaxRows (optax.adam per row): its math in XLA, its rows through the
   # kernels (kernels.staged_update); synchronous only.
-  "optax_rows": _kernel_shapes("--pipelines=sync", "--dim=16,128", "--optimizer=optax_rows"),
+  "optax_rows": _kernel_shapes("--pipelines=sync", "--dim=16", "--optimizer=optax_rows"),
   # The main job as it runs (D=16 tables) and the DLRM configuration's 26
   # tables (D=16..128, rows capped at 20k).
   "main_d16": ["--topology=v5e:2x2", "--workload=main", "--examples_per_chip=128", "--forms=block"],
   "dlrm": ["--topology=v5e:2x2", "--workload=dlrm", "--examples_per_chip=128", "--forms=block"],
-  "ftrl": [
-    "--topology=v5e:2x2",
-    "--workload=main",
-    "--dim=128",
-    "--examples_per_chip=128",
-    "--optimizer=ftrl",
-    "--forms=block",
-  ],
 }
-# The grid's rest, under `-m grid`: v6e for every shape, D in {32, 64}, and
-# LazyAdam at the padded widths.
+# The grid's rest, under `-m grid`: the shape product's other half, v6e for
+# every shape, D in {32, 64}, the other padded cases and LazyAdam at the
+# padded widths, OptaxRows at D=128, and the main job at D=128 on v5e and
+# with FTRL.
 GRID_COMPILES = {
+  **_shape_cases("shapes_rest", SHAPES_REST),
+  **_shape_cases(
+    "padded_rest", [("float32", 192, "rowwise_adagrad"), ("bfloat16", 96, "rowwise_adagrad")]
+  ),
   "shapes_v6e": _kernel_shapes(
     "--dtype=float32,bfloat16",
     "--dim=16,32,64,128",
@@ -177,6 +209,9 @@ GRID_COMPILES = {
   "padded_lazy_adam": _kernel_shapes(
     "--dtype=float32,bfloat16", "--dim=96,192", "--optimizer=lazy_adam"
   ),
+  "optax_rows_d128": _kernel_shapes("--pipelines=sync", "--dim=128", "--optimizer=optax_rows"),
+  "main_v5e": _main_d128(),
+  "ftrl": _main_d128("--optimizer=ftrl"),
 }
 
 
@@ -268,21 +303,14 @@ def _assert_no_table_copy(name, table):
 
 
 def test_main_job_async_step_compiles_for_v5e_v6e_v5p(reports):
-  assert [r["topology"] for r in reports["main"]] == ["v5e:2x2", "v6e:2x2", "v5p:2x2x1"]
-  for r in reports["main"]:
+  got = reports["main_d16"] + reports["main"]
+  assert [r["topology"] for r in got] == ["v5e:2x2", "v6e:2x2", "v5p:2x2x1"]
+  for r in got:
     assert r["backend"] == "pallas" and r["chips"] == 4
     # The three tables are stacked into one physical table
     # (pallas_emb.stacking): its fused update in the block kernel.
     assert r["physical_tables"] == 1
     _assert_block_kernels(r, r["topology"])
-
-
-def test_ftrl_step_compiles_with_every_table_in_the_kernels(reports):
-  [r] = reports["ftrl"]
-  # FTRL keeps two full-width slots, no per-row scalar. The three tables
-  # are one stack, updated by the block kernel.
-  assert r["physical_tables"] == 1, r
-  _assert_block_kernels(r, "ftrl")
 
 
 def test_a_configuration_file_compiles_each_table_as_configured(reports):
@@ -333,11 +361,10 @@ def test_w_tpu_fits_twice_its_working_set_and_copies_no_table_or_slot(reports):
 
 
 def test_every_table_shape_and_optimizer_runs_in_the_kernels(reports):
-  got = reports["shapes"] + reports["optimizers"] + reports["padded"]
-  cases = {
-    (r["topology"], t["dim"], t["dtype"], t["optimizer"]) for r in got for t in r["tables"].values()
-  }
-  assert len(got) == len(cases) == 2 * 2 * 2 + 3 + 2 * 2, sorted(cases)
+  got = [r for name in COMPILES if name.startswith(("shapes", "padded")) for r in reports[name]]
+  got += reports["optimizers"]
+  cases = {(t["dim"], t["dtype"], t["optimizer"]) for r in got for t in r["tables"].values()}
+  assert len(got) == len(cases) == len(SHAPES) + 2 + 3, sorted(cases)
   _assert_shapes(got)
 
 
@@ -355,7 +382,24 @@ def _assert_shapes(got):
 @pytest.mark.grid
 def test_the_rest_of_the_shape_grid_runs_in_the_kernels(tmp_path_factory):
   got = _compile_all(tmp_path_factory, GRID_COMPILES)
-  _assert_shapes(got["shapes_v6e"] + got["shapes_d32_d64"] + got["padded_lazy_adam"])
+  shapes = [r for name, rs in got.items() if name.startswith(("shapes", "padded")) for r in rs]
+  _assert_shapes(shapes)
+  # v5e: the rest of D in {16, 128} (4), D in {32, 64} (8), the padded
+  # widths' rest (2 + 4); v6e: every width, dtype and optimizer (16).
+  cases = {
+    (r["topology"], t["dim"], t["dtype"], t["optimizer"])
+    for r in shapes
+    for t in r["tables"].values()
+  }
+  assert len(shapes) == len(cases) == 4 + 8 + 2 + 4 + 16, sorted(cases)
+  for r in got["optax_rows_d128"]:
+    _assert_optax_rows(r)
+  [v5e], [ftrl] = got["main_v5e"], got["ftrl"]
+  for r in (v5e, ftrl):
+    # The three tables are one stack (FTRL: two full-width slots, no per-row
+    # scalar), updated by the block kernel.
+    assert r["physical_tables"] == 1, r
+    _assert_block_kernels(r, r["workload"])
 
 
 @pytest.mark.parametrize("name", ["main_d16", "dlrm"])
@@ -368,17 +412,21 @@ def test_main_job_and_dlrm_run_every_table_in_the_kernels_and_copy_none(reports,
 
 def test_optax_rows_moves_its_rows_through_the_kernels_and_no_shard(reports):
   for r in reports["optax_rows"]:
-    [table] = r["tables"].values()
-    case = (table["dim"], table["optimizer"])
-    assert table["optimizer"] == "OptaxRows" and r["pipeline"] == "sync", case
-    # The table and Adam's three slots (count, mu, nu): each read by the
-    # block gather and written back by the block update.
-    assert r["kernels"].get("_block_update_call") == 4, (case, r["kernels"])
-    assert r["kernels"].get("_block_gather_call") == 4, (case, r["kernels"])
-    # On the XLA path XLA staged both moment slots into VMEM in slices and
-    # its temp grew with the table (247 MiB for these 4M rows at D=16).
-    assert not table["copies"] and not table["prefetches"], (case, table)
-    assert r["temp_bytes"] < table["table_bytes"] / 4, (case, r["temp_bytes"] / MIB)
+    _assert_optax_rows(r)
+
+
+def _assert_optax_rows(r):
+  [table] = r["tables"].values()
+  case = (table["dim"], table["optimizer"])
+  assert table["optimizer"] == "OptaxRows" and r["pipeline"] == "sync", case
+  # The table and Adam's three slots (count, mu, nu): each read by the
+  # block gather and written back by the block update.
+  assert r["kernels"].get("_block_update_call") == 4, (case, r["kernels"])
+  assert r["kernels"].get("_block_gather_call") == 4, (case, r["kernels"])
+  # On the XLA path XLA staged both moment slots into VMEM in slices and
+  # its temp grew with the table (247 MiB for these 4M rows at D=16).
+  assert not table["copies"] and not table["prefetches"], (case, table)
+  assert r["temp_bytes"] < table["table_bytes"] / 4, (case, r["temp_bytes"] / MIB)
 
 
 def test_the_cost_models_all_to_all_overcharge_is_probed_op_by_op(reports):
