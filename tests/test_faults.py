@@ -44,15 +44,16 @@ from pallas_emb.errors import (
 )
 from pallas_emb.job import run as main_lib
 from pallas_emb.job.model import build_ranking
-from pallas_emb.train import integrity
+from pallas_emb.train import checkpoint_files, integrity
 from pallas_emb.train.checkpoint import Checkpointer
 from pallas_emb.train.checkpoint_dir import CheckpointDir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BATCH = 64
 
-# A read of a damaged file leaves orbax callbacks on a closed event loop
-# ("Event loop is closed"); the read itself fails cleanly and is checked.
+# orbax's failed read of a file with flipped bits leaves callbacks on a
+# closed event loop ("Event loop is closed"); the read itself fails cleanly
+# and is checked. (A short or missing file is found before orbax reads.)
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 
@@ -223,6 +224,56 @@ def test_truncated_data_file_is_skipped(saved, tmp_path):
   with open(path, "r+b") as f:
     f.truncate(os.path.getsize(path) // 2)
   assert _expect_newest_intact(saved, work).step == 2
+
+
+@pytest.mark.parametrize("damage", ["truncated", "deleted"])
+def test_a_short_or_missing_array_file_is_named_before_orbax_reads_it(
+  saved, tmp_path, monkeypatch, damage
+):
+  work = _copy(saved, tmp_path)
+  path = max(_files(work, 3, data_only=True), key=os.path.getsize)
+  name, size = os.path.relpath(path, os.path.join(work, "3")), os.path.getsize(path)
+  if damage == "truncated":
+    with open(path, "r+b") as f:
+      f.truncate(size // 2)
+  else:
+    os.remove(path)
+  # The record of file sizes finds it: orbax is not asked for step 3's
+  # arrays, so none of its reads is left in flight on a closed event loop.
+  asked = []
+  restore = ocp.CheckpointManager.restore
+  monkeypatch.setattr(
+    ocp.CheckpointManager,
+    "restore",
+    lambda self, step, args=None: (
+      asked.append((step, sorted(args.keys()))) or restore(self, step, args=args)
+    ),
+  )
+  r = _expect_newest_intact(saved, work)
+  why = (
+    f"{name} has {size // 2} bytes where {size} were written"
+    if damage == "truncated"
+    else (f"{name} is missing")
+  )
+  assert r.skipped[0][1] == f"its array files are not as written: {why}"
+  assert (3, ["state"]) not in asked and (2, ["state"]) in asked, asked
+
+
+def test_a_step_without_a_usable_file_record_is_read_and_checked_as_before(saved, tmp_path):
+  # Written before records (or killed between the save and the record), or
+  # a record that does not match its digest: orbax's read and the checksums
+  # decide, as they do for every step.
+  work = _copy(saved, tmp_path)
+  os.remove(os.path.join(work, "3", checkpoint_files.NAME))
+  record = os.path.join(work, "2", checkpoint_files.NAME)
+  with open(record) as f:
+    text = f.read()
+  with open(record, "w") as f:
+    f.write(text.replace('"files": {"', '"files": {"x', 1))
+  for step in (3, 2):
+    r = _restore(saved, work, step)
+    assert r.step == step and not r.skipped
+    _assert_same(_host(saved["trainer"], r.state), saved["refs"][step])
 
 
 def test_read_only_restore_falls_back_and_renames_nothing(saved, tmp_path):

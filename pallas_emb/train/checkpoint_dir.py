@@ -2,9 +2,10 @@
 
 Each step is an orbax checkpoint of two items: "state", a pytree of arrays,
 and "meta", JSON that records a checksum of every array and is itself sealed
-by a digest (`integrity`). Reading a step back checks both, so a flipped bit,
-a truncated or deleted file, or a step whose metadata is gone is found, and
-named, instead of restored.
+by a digest (`integrity`), plus a record of the array files' sizes
+(`checkpoint_files`). Reading a step back checks all three, so a flipped
+bit, a truncated or deleted file, or a step whose metadata is gone is found,
+and named, instead of restored.
 
 Saves are synchronous. With orbax's asynchronous saves, a save that cannot
 create its directory (read-only or full disk) leaves non-daemon threads
@@ -27,7 +28,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from pallas_emb.errors import CheckpointDirError
-from pallas_emb.train import integrity
+from pallas_emb.train import checkpoint_files, integrity
 
 log = logging.getLogger("pallas_emb.checkpoint")
 
@@ -143,6 +144,8 @@ class CheckpointDir:
         args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
       )
       self.manager.wait_until_finished()
+      if jax.process_index() == 0:
+        checkpoint_files.record(self._step_dir(step))
     except OSError as e:
       raise CheckpointDirError(
         e.errno,
@@ -186,18 +189,28 @@ class CheckpointDir:
       StepUnreadable: a file cannot be read or decoded, or an array differs
         from the one saved.
     """
-    state = _attempt(
-      "reading its arrays",
-      lambda: self.manager.restore(
+
+    def read():
+      # Before orbax reads: its failed read of a short or missing file
+      # floods stderr (`checkpoint_files`).
+      problem = checkpoint_files.problem(self._step_dir(step))
+      if problem:
+        raise StepUnreadable(f"its array files are not as written: {problem}")
+      restored = self.manager.restore(
         step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
-      )["state"],
-    )
+      )
+      return restored["state"]
+
+    state = _attempt("reading its arrays", read)
     if "checksums" in meta:
       problems = integrity.mismatches(meta["checksums"], state)
       if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise StepUnreadable(problems[0] + more)
     return state
+
+  def _step_dir(self, step: int) -> str:
+    return os.path.join(self.path, str(step))
 
   def verify(self, step: int) -> tuple[dict, int]:
     """Reads `step` whole, as host arrays, without a trainer.
@@ -233,7 +246,7 @@ class CheckpointDir:
     Returns:
       The new path (STEP.corrupt, or STEP.corrupt-N if that exists).
     """
-    old = os.path.join(self.path, str(step))
+    old = self._step_dir(step)
     new = old + _QUARANTINE
     n = 1
     while os.path.exists(new):
