@@ -250,11 +250,10 @@ def test_a_short_or_missing_array_file_is_named_before_orbax_reads_it(
     ),
   )
   r = _expect_newest_intact(saved, work)
-  why = (
-    f"{name} has {size // 2} bytes where {size} were written"
-    if damage == "truncated"
-    else (f"{name} is missing")
-  )
+  why = {
+    "truncated": f"{name} has {size // 2} bytes where {size} were written",
+    "deleted": f"{name} is missing",
+  }[damage]
   assert r.skipped[0][1] == f"its array files are not as written: {why}"
   assert (3, ["state"]) not in asked and (2, ["state"]) in asked, asked
 

@@ -34,11 +34,14 @@ their reports:
   W-TPU's 256 examples per chip take XLA's scatter, as measured.
 * the all-to-alls' charge in XLA's cost model, probed op by op (`probes`).
 
-Each compile costs 3 to 15 CPU-s (DLRM's the most), and they are a third of
-CI's CPU time, so CI compiles one case per thing checked and the grid the
-rest. These compile at small batches: 256 examples per chip (W-TPU, which is also
+Each step compiles in 2 to 15 s (DLRM's the longest), and the compiles are
+a third of CI's CPU time, so CI compiles a case for each thing checked and
+the grid compiles the rest.
+
+These compile at small batches: 256 examples per chip (W-TPU, which is also
 the small end of the scaling pair, and the configuration file), 64 for the
-shapes and the dynamic table (its map's compile is the longest: 18 s at 256, 10 s at 64).
+shapes and the dynamic table (its map's compile takes 18 s at 256, 10 s at
+64).
 A compile's time grows with the batch (W-TPU's 4,096 examples per chip take
 47 CPU-s, 256 take 10), and the assertions are relative to the ids: at a
 small batch a table-sized or fixed buffer stands out the more (W-TPU's temp
