@@ -152,10 +152,11 @@ def test_library_errors_are_one_line_with_the_fix_and_no_traceback(tmp_path):
 @pytest.mark.slow
 def test_kill_and_resume_is_bit_identical(tmp_path, capsys):
   ckpt = tmp_path / "ckpt"
-  common = ["--steps=40", "--eval_every=15", f"--checkpoint_dir={ckpt}", "--checkpoint_every=10"]
+  run = ["--steps=40", "--eval_every=15"]
+  common = [*run, f"--checkpoint_dir={ckpt}", "--checkpoint_every=10"]
   # The uninterrupted run and the resumes run here and share their
   # compiles; the run that is killed needs a process of its own.
-  _run_in_process(*SMALL, "--steps=40", "--eval_every=15", f"--save_tables={tmp_path}/ref.npz")
+  _run_in_process(*SMALL, *run, f"--save_tables={tmp_path}/ref.npz")
   victim = _job(*common)
   # SIGKILL at a random moment after the first checkpoint landed.
   deadline = time.time() + 240

@@ -15,17 +15,19 @@ still found: by orbax's decoder, or by the arrays' checksums (`integrity`).
 A step without a record (written before records, or killed between the
 save and the record) is read as before.
 
-The record, `pallas_emb_files.json` beside the step's items:
+The record, `pallas_emb_files.json` beside the step's items, is sealed by
+a digest as the step's metadata is (`integrity.seal`):
 
-    {"files": {"state/d/8f3e...": 20480, ...}, "digest": sha256 of "files"}
+    {"files": {"state/d/8f3e...": 20480, ...}, "digest": "..."}
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
+
+from pallas_emb.train import integrity
 
 log = logging.getLogger("pallas_emb.checkpoint")
 
@@ -45,10 +47,6 @@ def _sizes(step_dir: str) -> dict[str, int]:
   }
 
 
-def _digest(files: dict[str, int]) -> str:
-  return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
-
-
 def record(step_dir: str) -> None:
   """Writes the record of the step in `step_dir` (after its save; one
   process). Atomic: a reader sees the whole record or none.
@@ -59,7 +57,7 @@ def record(step_dir: str) -> None:
   files = _sizes(step_dir)
   path = os.path.join(step_dir, NAME)
   with open(path + ".tmp", "w") as f:
-    json.dump({"files": files, "digest": _digest(files)}, f, sort_keys=True)
+    json.dump(integrity.seal({"files": files}), f, sort_keys=True)
     f.flush()
     os.fsync(f.fileno())
   os.replace(path + ".tmp", path)
@@ -71,9 +69,12 @@ def problem(step_dir: str) -> str | None:
   try:
     with open(os.path.join(step_dir, NAME)) as f:
       saved = json.load(f)
+    why = integrity.seal_problem(saved)
+    if why:
+      raise ValueError(why)
     files = saved["files"]
-    if not isinstance(files, dict) or saved["digest"] != _digest(files):
-      raise ValueError("its digest does not match")
+    if not isinstance(files, dict):
+      raise TypeError(f"its files are a {type(files).__name__}, not a dict")
   except FileNotFoundError:
     return None
   except (OSError, ValueError, KeyError, TypeError) as e:
