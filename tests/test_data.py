@@ -17,22 +17,34 @@ def test_synthetic_batches_are_a_function_of_seed_and_index():
   assert not np.array_equal(a.train_batch(8, 64)["ids"]["user"], x["ids"]["user"])
   assert x["ids"]["history"].shape == (64, a.history_len) and (x["ids"]["history"] >= -1).all()
   assert x["ids"]["user"].dtype == np.int32 and x["dense"].shape == (64, a.num_dense)
-  # A row is the same whichever blocks are made with it: rows 5..36 (parts
-  # of three 16-row blocks) are the whole batch's.
-  part = a.train_rows(7, 64, 5, 37)
+  # A row is the same whichever blocks are made with it: rows 100..299
+  # (parts of three 128-row blocks) are the whole batch's.
+  whole = a.train_batch(7, 320)
+  part = a.train_rows(7, 320, 100, 300)
   for k in x["ids"]:
-    np.testing.assert_array_equal(part["ids"][k], x["ids"][k][5:37])
+    np.testing.assert_array_equal(part["ids"][k], whole["ids"][k][100:300])
   for k in ("dense", "label", "true_logit"):
-    np.testing.assert_array_equal(part[k], x[k][5:37])
+    np.testing.assert_array_equal(part[k], whole[k][100:300])
 
 
-def test_synthetic_ids_are_zipf_and_the_signal_is_learnable():
-  d = data.SyntheticClickLog()
+def test_synthetic_ids_follow_the_zipf_law_and_the_signal_is_learnable():
+  d = data.SyntheticClickLog(num_users=20, num_items=30)
   batch = d.train_batch(0, 8192)
-  users = batch["ids"]["user"].ravel()
-  # A hot head: the 10 most frequent users cover far more than 10/num_users.
-  counts = np.sort(np.bincount(users, minlength=d.num_users))[::-1]
-  assert counts[:10].sum() / len(users) > 0.05
+  for name, vocab in (("user", 20), ("item", 30), ("history", 30)):
+    ids = batch["ids"][name]
+    ids = ids[ids >= 0]
+    law = np.arange(1, vocab + 1.0) ** -d.zipf_a
+    expected = len(ids) * law / law.sum()
+    chi2 = (((np.bincount(ids, minlength=vocab) - expected) ** 2) / expected).sum()
+    assert chi2 < 3 * vocab, (name, chi2)  # its mean is vocab - 1
+  # The inversion's ends: u = 0 is id 0, u just under 1 the last id.
+  cdf = d._cdf["user"]
+  assert cdf[-1] == 1.0 and list(data.synthetic._zipf_ids(cdf, np.array([0.0, 1 - 2**-53]))) == [
+    0,
+    19,
+  ]
+  # The planted model separates clicks from non-clicks (its AUC is the ceiling).
+  batch = data.SyntheticClickLog().train_batch(0, 8192)
   # The planted model separates clicks from non-clicks (its AUC is the ceiling).
   from pallas_emb.train.metrics import auc
 
@@ -258,15 +270,18 @@ def test_a_process_reads_only_its_rows(tmp_path, source, monkeypatch, request):
     return out
 
   monkeypatch.setattr(type(ds), counted, counting)
-  whole = ds.train_batch(5, 128)
+  # Process 1 of 2: the second half of each batch (the generator's two
+  # blocks of 128 rows of a batch of 512).
+  size = 512 if source == "synthetic" else 128
+  half = size // 2
+  whole = ds.train_batch(5, size)
   made.clear()
-  # Process 1 of 2: rows 64..127 of each batch of 128.
-  src = ProcessRows(ds, 128, 64, 128)
+  src = ProcessRows(ds, size, half, size)
   rows = src[5]
-  assert sum(made) == 64 and src.records_read == 1 and src.rows_read == 64
+  assert sum(made) == half and src.records_read == 1 and src.rows_read == half
   for k in whole["ids"]:
-    np.testing.assert_array_equal(rows["ids"][k], whole["ids"][k][64:])
-  np.testing.assert_array_equal(rows["label"], whole["label"][64:])
+    np.testing.assert_array_equal(rows["ids"][k], whole["ids"][k][half:])
+  np.testing.assert_array_equal(rows["label"], whole["label"][half:])
   # Held-out batches too: rows 8..15 of batch 1 of 16 (the set's examples
   # 24..31), and a last batch's rows past the end weigh 0.
   assert ds.eval_size in (200, 32)
@@ -274,8 +289,8 @@ def test_a_process_reads_only_its_rows(tmp_path, source, monkeypatch, request):
   made.clear()
   rows = ds.eval_rows(1, 16, 8, 16)
   # Its 8 rows only: MovieLens reads those, the generator makes the one
-  # block of 16 that holds them (never the whole set).
-  assert sum(made) == (8 if source == "movielens" else 16)
+  # block of 128 that holds them (never the whole set of 200).
+  assert sum(made) == (8 if source == "movielens" else 128)
   for k in whole["ids"]:
     np.testing.assert_array_equal(rows["ids"][k], whole["ids"][k][8:])
   np.testing.assert_array_equal(rows["label"], whole["label"][8:])

@@ -1,17 +1,28 @@
 """A synthetic click log with a planted ground truth.
 
 Users and items are Zipf-distributed (a few hot ids, a long tail), as in real
-recommender logs. Each example's click probability comes from a hidden model:
+recommender logs: id k of a vocabulary of V with probability proportional to
+(k + 1)^-zipf_a, k < V. Each example's click probability comes from a hidden
+model:
 
     logit = 2 * <u[user], v[item]> + item_bias[item] + category_bias[cat]
             + <w, dense> + mean_h <v[h], v[item]> - 1
 
 with low-rank latent vectors u, v. An embedding model can learn all of it, so
 eval AUC measures learning (the hidden model's own AUC is its ceiling).
-Batches are a pure function of (seed, index), generated in blocks of 16
+Batches are a pure function of (seed, index), generated in blocks of 128
 examples (block j of batch i from stream (seed, 0, i, j)), so a process
 generates only the blocks of its own rows (`train_rows`); so is the held-out
 set (`eval_rows`).
+
+A block's stream gives only uniform and normal draws; the ids come from the
+uniforms by inverting the Zipf CDF (a table of V float64s per vocabulary,
+a quarter of what the hidden model keeps per user), and the rest of the
+arithmetic runs once over a batch's rows. Why: the input is read between
+steps, and a 1,024-row batch took 4.0 ms with 16-row blocks and NumPy's Zipf
+sampler (a generator and six draws per block, then rejection sampling), 1.6
+ms so, on a 2-core CPU; one v5e chip steps the main job's batch in about
+3.4 ms (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -27,7 +38,23 @@ from pallas_emb.data.base import FeatureInfo
 # Block j of training batch i uses stream (seed, 0, i, j); block j of the
 # eval set stream (seed, 1, j).
 _TRAIN, _EVAL = 0, 1
-_BLOCK = 16
+# Each block costs a generator and six draws (about 40 us): at 16 rows those
+# were 1 ms of a 1,024-row batch. A process makes the blocks its rows
+# overlap: fewer than 256 rows beyond its own.
+_BLOCK = 128
+
+
+def _zipf_cdf(vocab: int, a: float) -> np.ndarray:
+  """(vocab,) float64 CDF of ids k in [0, vocab) with P(k) proportional
+  to (k + 1)^-a: a Zipf law over the vocabulary."""
+  c = np.cumsum(np.arange(1, vocab + 1, dtype=np.float64) ** -a)
+  return c / c[-1]
+
+
+def _zipf_ids(cdf: np.ndarray, u: np.ndarray) -> np.ndarray:
+  """The id of each uniform in [0, 1) (any shape): the first k whose CDF
+  exceeds it, so P(k) = cdf[k] - cdf[k - 1]; int32."""
+  return np.minimum(np.searchsorted(cdf, u, side="right"), cdf.shape[0] - 1).astype(np.int32)
 
 
 def _take_examples(tree: dict, idx: np.ndarray) -> dict:
@@ -44,7 +71,7 @@ class SyntheticClickLog:
     history_len: length of the "history" bag (recent items, -1 padded).
     num_dense: dense features per example.
     latent_dim: rank of the hidden user/item interaction.
-    zipf_a: Zipf exponent of user and item ids (> 1).
+    zipf_a: Zipf exponent of user and item ids (> 0).
     eval_examples: size of the held-out set.
     seed: everything derives from it.
   """
@@ -85,16 +112,22 @@ class SyntheticClickLog:
       "w": rng.normal(size=self.num_dense) * 0.5,
     }
 
-  def _zipf(self, rng, n, vocab):
-    return ((rng.zipf(self.zipf_a, n) - 1) % vocab).astype(np.int32)
+  @functools.cached_property
+  def _cdf(self) -> dict[str, np.ndarray]:
+    """The Zipf CDF of user and item ids, by vocabulary: (vocab,) float64."""
+    return {
+      "user": _zipf_cdf(self.num_users, self.zipf_a),
+      "item": _zipf_cdf(self.num_items, self.zipf_a),
+    }
 
   def _draws(self, rng, n) -> tuple[np.ndarray, ...]:
-    """One block's random draws, in the stream's order: user, item,
-    history, history lengths, dense features, the label's uniform."""
+    """One block's random draws, in the stream's order: the uniforms of
+    the user, item and history ids, history lengths, dense features, the
+    label's uniform."""
     return (
-      self._zipf(rng, n, self.num_users),
-      self._zipf(rng, n, self.num_items),
-      self._zipf(rng, (n, self.history_len), self.num_items),
+      rng.random(n),
+      rng.random(n),
+      rng.random((n, self.history_len)),
       rng.integers(0, self.history_len + 1, n),
       rng.normal(size=(n, self.num_dense)).astype(np.float32),
       rng.random(n),
@@ -102,8 +135,11 @@ class SyntheticClickLog:
 
   def _examples(self, draws: tuple[np.ndarray, ...]) -> dict:
     """Examples from their draws (any number of blocks' rows at once)."""
-    t = self._truth
-    user, item, history, lengths, dense, uniform = draws
+    t, cdf = self._truth, self._cdf
+    u_user, u_item, u_history, lengths, dense, uniform = draws
+    user, item, history = (
+      _zipf_ids(cdf[v], u) for v, u in (("user", u_user), ("item", u_item), ("item", u_history))
+    )
     category = t["item_category"][item].astype(np.int32)
     history = np.where(np.arange(self.history_len) < lengths[:, None], history, -1)
     hv = np.where((history >= 0)[..., None], t["v"][np.maximum(history, 0)], 0.0)
@@ -133,9 +169,9 @@ class SyntheticClickLog:
   def _blocks(self, stream: tuple, sizes: list[tuple[int, int]]) -> dict:
     """Blocks (j, examples) of stream (seed, *stream, j), concatenated.
 
-    Only the draws are made block by block; the examples' arithmetic runs
-    once over all their rows. Block by block, NumPy's call overhead was most
-    of a batch's time: 1,024 rows took about 7 ms, and take 3.9 so."""
+    Only the draws are made block by block; the ids' inversion and the
+    examples' arithmetic run once over all their rows (see the module
+    docstring for the times)."""
     draws = [self._draws(np.random.default_rng([self.seed, *stream, j]), n) for j, n in sizes]
     return self._examples(tuple(np.concatenate(d) for d in zip(*draws)))
 
