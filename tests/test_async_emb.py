@@ -442,6 +442,25 @@ def test_jitted_step_donates_table_and_slots():
   assert "input_output_alias" in hlo and hlo.count("may-alias") + hlo.count("must-alias") >= 2
 
 
+def test_the_sync_step_ignores_next_batch_and_compiles_once():
+  from pallas_emb.train.step import _jit_step
+
+  emb = _emb(8)
+  batches = _batches(3)
+  tr = _trainer(emb, pe.TrainConfig(use_async_emb=False))
+  compiled = _jit_step._cache_size()
+  misplaced = jax.device_put(batches[1], jax.devices()[0])  # off the mesh: never checked
+  tables = []
+  for following in (None, batches[1], {"ids": {"f": np.zeros((2, 7), np.int64)}}, misplaced):
+    state = tr.init(PARAMS, emb.init(jax.random.key(0)), batches[0])
+    for t in range(2):
+      state, _ = tr.step(state, batches[t], following)
+    tables.append(emb.logical_table(state.tables, "t"))
+  for t in tables[1:]:
+    np.testing.assert_array_equal(t, tables[0])
+  assert _jit_step._cache_size() - compiled == 1
+
+
 def test_flush_does_not_change_the_trajectory():
   from pallas_emb.train.step import _jit_step
 

@@ -158,7 +158,8 @@ class Trainer:
         pipelines its lookups hold `batch`'s embeddings.
       batch: this step's batch.
       next_batch: the next step's batch (async and exact pipelines start its
-        lookup here); ignored by the sync pipeline.
+        lookup here); the sync pipeline does not read, convert or place it,
+        and compiles one program whatever it is (None included).
 
     Returns:
       (state, metrics): metrics has "loss", "aux", and "emb": table ->
@@ -172,6 +173,11 @@ class Trainer:
         trainer's); PlacementError: so do the batches' ids.
     """
     self.emb.check_on_mesh(state, "the train state")
+    if not self.config.use_async_emb:
+      # Unread by the step: converting, checking and passing it cost a sync
+      # step host time (a dynamic table's key words most), and a None at
+      # one step and a batch at another would compile the step twice.
+      next_batch = None
     batch, next_batch = (vocab_step.host_ids(self.emb, b) for b in (batch, next_batch))
     batch, next_batch = emb_update.step_batches(
       self.emb.mesh, self.contexts, batch, next_batch, vocab_step.dynamic_features(self.emb)
