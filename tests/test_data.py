@@ -27,25 +27,39 @@ def test_synthetic_batches_are_a_function_of_seed_and_index():
     np.testing.assert_array_equal(part[k], whole[k][100:300])
 
 
-def test_synthetic_ids_follow_the_zipf_law_and_the_signal_is_learnable():
+def _assert_zipf(ids, vocab: int, a: float):
+  """`ids` (padding -1 aside) follow P(k) ~ (k + 1)^-a on [0, vocab): a
+  chi-square statistic within 3x its mean (vocab - 1)."""
+  ids = ids[ids >= 0]
+  law = np.arange(1, vocab + 1.0) ** -a
+  expected = len(ids) * law / law.sum()
+  chi2 = (((np.bincount(ids, minlength=vocab) - expected) ** 2) / expected).sum()
+  assert chi2 < 3 * vocab, chi2
+
+
+def test_zipf_ids_invert_the_law():
+  from pallas_emb.data import zipf  # pylint: disable=g-import-not-at-top
+
+  table = zipf.cdf(50, 1.1)
+  _assert_zipf(zipf.ids(table, np.random.default_rng(0).random((100, 100))), 50, 1.1)
+  # The ends: u = 0 is id 0, u just under 1 the last id.
+  assert table[-1] == 1.0
+  assert zipf.ids(table, np.array([0.0, 1 - 2**-53])).tolist() == [0, 49]
+
+
+def test_both_logs_ids_follow_the_zipf_law_and_the_signal_is_learnable():
+  from pallas_emb.data.dlrm import DlrmClickLog  # pylint: disable=g-import-not-at-top
+
   d = data.SyntheticClickLog(num_users=20, num_items=30)
   batch = d.train_batch(0, 8192)
   for name, vocab in (("user", 20), ("item", 30), ("history", 30)):
-    ids = batch["ids"][name]
-    ids = ids[ids >= 0]
-    law = np.arange(1, vocab + 1.0) ** -d.zipf_a
-    expected = len(ids) * law / law.sum()
-    chi2 = (((np.bincount(ids, minlength=vocab) - expected) ** 2) / expected).sum()
-    assert chi2 < 3 * vocab, (name, chi2)  # its mean is vocab - 1
-  # The inversion's ends: u = 0 is id 0, u just under 1 the last id.
-  cdf = d._cdf["user"]
-  assert cdf[-1] == 1.0 and list(data.synthetic._zipf_ids(cdf, np.array([0.0, 1 - 2**-53]))) == [
-    0,
-    19,
-  ]
+    _assert_zipf(batch["ids"][name], vocab, d.zipf_a)
+  dlrm = DlrmClickLog(max_rows=40)
+  batch = dlrm.train_batch(0, 8192)
+  for f in ("C9", "C17", "C1"):  # 3, 10 and (capped) 40 rows
+    _assert_zipf(batch["ids"][f], dlrm.rows(int(f[1:]) - 1), dlrm.zipf_a)
   # The planted model separates clicks from non-clicks (its AUC is the ceiling).
   batch = data.SyntheticClickLog().train_batch(0, 8192)
-  # The planted model separates clicks from non-clicks (its AUC is the ceiling).
   from pallas_emb.train.metrics import auc
 
   assert auc(batch["true_logit"], batch["label"]) > 0.75

@@ -3,7 +3,8 @@
 26 tables with the row counts of the Criteo Kaggle display-advertising
 challenge's categorical features, each capped at `max_rows` (so that the
 whole set fits a CPU; `max_rows=None` keeps the real counts, ~33.8M rows),
-one id per feature and example (Zipf-distributed), 13 dense features, and a
+one id per feature and example (Zipf over the table's rows,
+`pallas_emb.data.zipf`), 13 dense features, and a
 click drawn from a planted model (a hidden bias per row of every table plus
 a dense term), so the job can learn. Row widths follow the vocabulary, as
 DLRM configurations do: `dim_of(rows)` is 16 up to 1k rows, 32 up to 100k,
@@ -19,6 +20,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from pallas_emb.data import zipf
 from pallas_emb.data.base import FeatureInfo
 
 # Criteo Kaggle (DAC) categorical cardinalities, C1..C26.
@@ -70,7 +72,7 @@ class DlrmClickLog:
   Attributes:
     max_rows: cap of every table's rows (None: the real counts). The width
       follows the real count, so capping keeps the groups.
-    zipf_a: Zipf exponent of the ids (> 1).
+    zipf_a: Zipf exponent of the ids (> 0).
     eval_examples: size of the held-out set.
     seed: everything derives from it.
   """
@@ -103,11 +105,15 @@ class DlrmClickLog:
       "w": rng.normal(size=self.num_dense) * 0.3,
     }
 
+  @functools.cached_property
+  def _cdf(self) -> dict[int, np.ndarray]:
+    """The ids' Zipf CDFs (`zipf.cdf`), by row count: capped tables share one."""
+    return {f.num_rows: zipf.cdf(f.num_rows, self.zipf_a) for f in self.features}
+
   def _examples(self, rng, n) -> dict:
-    t = self._truth
-    ids = {
-      f.name: ((rng.zipf(self.zipf_a, n) - 1) % f.num_rows).astype(np.int32) for f in self.features
-    }
+    t, cdf = self._truth, self._cdf
+    u = rng.random((len(self.features), n))
+    ids = {f.name: zipf.ids(cdf[f.num_rows], u[i]) for i, f in enumerate(self.features)}
     dense = rng.normal(size=(n, self.num_dense)).astype(np.float32)
     logit = sum(b[ids[f.name]] for b, f in zip(t["bias"], self.features))
     logit = logit / np.sqrt(len(CRITEO_ROWS)) + dense @ t["w"] - 1.0

@@ -16,9 +16,9 @@ generates only the blocks of its own rows (`train_rows`); so is the held-out
 set (`eval_rows`).
 
 A block's stream gives only uniform and normal draws; the ids come from the
-uniforms by inverting the Zipf CDF (a table of V float64s per vocabulary,
-a quarter of what the hidden model keeps per user), and the rest of the
-arithmetic runs once over a batch's rows. Why: the input is read between
+uniforms by inverting the Zipf CDF (`pallas_emb.data.zipf`: a table of V
+float64s per vocabulary, a quarter of what the hidden model keeps per user),
+and the rest of the arithmetic runs once over a batch's rows. Why: the input is read between
 steps, and a 1,024-row batch took 4.0 ms with 16-row blocks and NumPy's Zipf
 sampler (a generator and six draws per block, then rejection sampling), 1.6
 ms so, on a 2-core CPU; one v5e chip steps the main job's batch in about
@@ -33,6 +33,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from pallas_emb.data import zipf
 from pallas_emb.data.base import FeatureInfo
 
 # Block j of training batch i uses stream (seed, 0, i, j); block j of the
@@ -42,19 +43,6 @@ _TRAIN, _EVAL = 0, 1
 # were 1 ms of a 1,024-row batch. A process makes the blocks its rows
 # overlap: fewer than 256 rows beyond its own.
 _BLOCK = 128
-
-
-def _zipf_cdf(vocab: int, a: float) -> np.ndarray:
-  """(vocab,) float64 CDF of ids k in [0, vocab) with P(k) proportional
-  to (k + 1)^-a: a Zipf law over the vocabulary."""
-  c = np.cumsum(np.arange(1, vocab + 1, dtype=np.float64) ** -a)
-  return c / c[-1]
-
-
-def _zipf_ids(cdf: np.ndarray, u: np.ndarray) -> np.ndarray:
-  """The id of each uniform in [0, 1) (any shape): the first k whose CDF
-  exceeds it, so P(k) = cdf[k] - cdf[k - 1]; int32."""
-  return np.minimum(np.searchsorted(cdf, u, side="right"), cdf.shape[0] - 1).astype(np.int32)
 
 
 def _take_examples(tree: dict, idx: np.ndarray) -> dict:
@@ -113,12 +101,9 @@ class SyntheticClickLog:
     }
 
   @functools.cached_property
-  def _cdf(self) -> dict[str, np.ndarray]:
-    """The Zipf CDF of user and item ids, by vocabulary: (vocab,) float64."""
-    return {
-      "user": _zipf_cdf(self.num_users, self.zipf_a),
-      "item": _zipf_cdf(self.num_items, self.zipf_a),
-    }
+  def _cdf(self) -> tuple[np.ndarray, np.ndarray]:
+    """The Zipf CDFs of user and item ids (`zipf.cdf`)."""
+    return zipf.cdf(self.num_users, self.zipf_a), zipf.cdf(self.num_items, self.zipf_a)
 
   def _draws(self, rng, n) -> tuple[np.ndarray, ...]:
     """One block's random draws, in the stream's order: the uniforms of
@@ -135,10 +120,11 @@ class SyntheticClickLog:
 
   def _examples(self, draws: tuple[np.ndarray, ...]) -> dict:
     """Examples from their draws (any number of blocks' rows at once)."""
-    t, cdf = self._truth, self._cdf
+    t = self._truth
     u_user, u_item, u_history, lengths, dense, uniform = draws
+    users, items = self._cdf
     user, item, history = (
-      _zipf_ids(cdf[v], u) for v, u in (("user", u_user), ("item", u_item), ("item", u_history))
+      zipf.ids(c, u) for c, u in ((users, u_user), (items, u_item), (items, u_history))
     )
     category = t["item_category"][item].astype(np.int32)
     history = np.where(np.arange(self.history_len) < lengths[:, None], history, -1)
