@@ -3,10 +3,10 @@
 26 tables with the row counts of the Criteo Kaggle display-advertising
 challenge's categorical features, each capped at `max_rows` (so that the
 whole set fits a CPU; `max_rows=None` keeps the real counts, ~33.8M rows),
-one id per feature and example (Zipf over the table's rows,
-`pallas_emb.data.zipf`), 13 dense features, and a
-click drawn from a planted model (a hidden bias per row of every table plus
-a dense term), so the job can learn. Row widths follow the vocabulary, as
+one id per feature and example (Zipf over the table's rows, by inversion:
+`pallas_emb.data.zipf`), 13 dense features, and a click drawn from a
+planted model (a hidden bias per row of every table plus a dense term), so
+the job can learn. Row widths follow the vocabulary, as
 DLRM configurations do: `dim_of(rows)` is 16 up to 1k rows, 32 up to 100k,
 64 up to 1M and 128 above, so the tables fall into a few stackable groups.
 Batches are a pure function of (seed, index).

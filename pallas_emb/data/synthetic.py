@@ -18,11 +18,11 @@ set (`eval_rows`).
 A block's stream gives only uniform and normal draws; the ids come from the
 uniforms by inverting the Zipf CDF (`pallas_emb.data.zipf`: a table of V
 float64s per vocabulary, a quarter of what the hidden model keeps per user),
-and the rest of the arithmetic runs once over a batch's rows. Why: the input is read between
-steps, and a 1,024-row batch took 4.0 ms with 16-row blocks and NumPy's Zipf
-sampler (a generator and six draws per block, then rejection sampling), 1.6
-ms so, on a 2-core CPU; one v5e chip steps the main job's batch in about
-3.4 ms (docs/benchmarks.md).
+and the rest of the arithmetic runs once over a batch's rows. Why: the main
+job reads its input between steps, and a 1,024-row batch took 4.0 ms with
+16-row blocks and NumPy's Zipf sampler (a generator and six draws per
+block, then rejection sampling), 1.6 ms so, on a 2-core CPU; one v5e chip
+steps the main job's batch in about 3.4 ms (docs/benchmarks.md).
 """
 
 from __future__ import annotations
