@@ -242,13 +242,12 @@ def test_a_short_or_missing_array_file_is_named_before_orbax_reads_it(
   # arrays, so none of its reads is left in flight on a closed event loop.
   asked = []
   restore = ocp.CheckpointManager.restore
-  monkeypatch.setattr(
-    ocp.CheckpointManager,
-    "restore",
-    lambda self, step, args=None: (
-      asked.append((step, sorted(args.keys()))) or restore(self, step, args=args)
-    ),
-  )
+
+  def spy(self, step, args=None):
+    asked.append((step, sorted(args.keys())))
+    return restore(self, step, args=args)
+
+  monkeypatch.setattr(ocp.CheckpointManager, "restore", spy)
   r = _expect_newest_intact(saved, work)
   why = {
     "truncated": f"{name} has {size // 2} bytes where {size} were written",
