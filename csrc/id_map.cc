@@ -230,8 +230,11 @@ int32_t StepMap(const MapArrays& map, int32_t step, const uint32_t* recv_hi,
     if (policy == kLfu && decay != 1.0f)
       for (int64_t j = 0; j < cap; ++j) count[j] = count[j] * decay;
     if (ttl >= 0)
-      for (int64_t j = 0; j < cap; ++j)
-        if (last[j] >= 0 && step - last[j] >= ttl) last[j] = -1, ++evicted;
+      for (int64_t j = 0; j < cap; ++j) {  // no branch: expiry is data, mixed
+        const bool expire = (last[j] >= 0) & (step - last[j] >= ttl);
+        last[j] |= -int32_t(expire);  // -1 if expired
+        evicted += expire;
+      }
   }
 
   // 3. Resident keys, found in their window: the low words first, which rule
@@ -298,20 +301,25 @@ int32_t StepMap(const MapArrays& map, int32_t step, const uint32_t* recv_hi,
   // frees a slot, so a slot free when a round reaches it was free when the
   // step began: the rounds read the slots as they reach them, where the XLA
   // code masks each window once.
-  s.waiting.clear();
-  for (int64_t u = 0; u < nu; ++u)
-    if (s.left[u]) s.waiting.push_back(int32_t(u));
-  for (int64_t r = 0; r < probe_limit && !s.waiting.empty(); ++r) {
+  s.waiting.resize(nu);  // the keys left, in rank order; no branch per key
+  size_t n_waiting = 0;
+  for (int64_t u = 0; u < nu; ++u) {
+    s.waiting[n_waiting] = int32_t(u);
+    n_waiting += s.left[u];
+  }
+  int32_t* const waiting = s.waiting.data();
+  for (int64_t r = 0; r < probe_limit && n_waiting > 0; ++r) {
     size_t kept = 0;
-    for (const int32_t u : s.waiting) {
-      const int32_t q = pos(u, r);
-      if (last[q] < 0 && usable[q])
+    for (size_t i = 0; i < n_waiting; ++i) {
+      const int32_t u = waiting[i], q = pos(u, r);
+      if ((last[q] < 0) & usable[q])
         take(u, q);
       else
-        s.waiting[kept++] = u;
+        waiting[kept++] = u;
     }
-    s.waiting.resize(kept);
+    n_waiting = kept;
   }
+  s.waiting.resize(n_waiting);
   // 6. The keys still waiting (in rank order) take their victims
   // (probe_window.h), all chosen before any is taken (a victim two keys
   // chose goes to the lower rank). The rounds took only free slots, which
@@ -330,10 +338,12 @@ int32_t StepMap(const MapArrays& map, int32_t step, const uint32_t* recv_hi,
       if (p >= 0 && last[p] != step) take(s.waiting[i], p), ++evicted;
     }
   }
-  for (int64_t u = 0; u < nu; ++u) {
-    if (s.admitted[u] && !s.left[u]) reset[inserted++] = slot[u];
+  for (int64_t u = 0; u < nu; ++u) {  // no branch: each key's case is data
+    reset[inserted] = slot[u];
+    inserted += s.admitted[u] & !s.left[u];
     failed += s.left[u];
   }
+  if (inserted < n) reset[inserted] = -1;  // written by a key not inserted
   stats[0] = evicted;
   stats[1] = inserted;
   stats[2] = not_admitted;
