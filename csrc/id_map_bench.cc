@@ -86,10 +86,7 @@ uint64_t Replay(const std::vector<uint32_t>& words, int64_t steps, int64_t token
                        reinterpret_cast<const bool*>(usable.data()), policy, slot.data(),
                        slot_uid.data(), reset.data(), stats.data());
     const double c = NowMicros();
-    for (int64_t i = 0; i < tokens; ++i) {  // as PeIdMapTranslate1 answers
-      const int32_t uid = sent[i] >= 0 ? slot_uid[sent[i]] : -1;
-      token_slot[i] = uid >= 0 ? slot[uid] : -1;
-    }
+    pe::AnswerTokens(sent.data(), slot_uid.data(), slot.data(), tokens, token_slot.data());
     const double d = NowMicros();
     if (s >= steps / 2) {
       t.plan.push_back(b - a);

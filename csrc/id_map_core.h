@@ -106,6 +106,18 @@ void PlanKeys(const uint32_t* hi, const uint32_t* lo, const bool* valid, int64_t
               int64_t num_shards, int64_t capacity, int32_t* token_slot, uint32_t* send_hi,
               uint32_t* send_lo, int32_t* send_count);
 
+// A one-shard translation's answers: token_slot (t,) each token's slot, its
+// key's through the key's send slot (sent, PlanKeys's token_slot) and rank
+// (StepMap's slot_uid, slot); -1 for padding, a key over capacity or a key
+// given no slot.
+inline void AnswerTokens(const int32_t* sent, const int32_t* slot_uid, const int32_t* slot,
+                         int64_t t, int32_t* token_slot) {
+  for (int64_t i = 0; i < t; ++i) {
+    const int32_t uid = sent[i] >= 0 ? slot_uid[sent[i]] : -1;
+    token_slot[i] = uid >= 0 ? slot[uid] : -1;
+  }
+}
+
 // PeIdMapStep's work on n received slots: the map updated in place; slot,
 // slot_uid and reset (n,) and stats (4,) as PeIdMapStep's outputs. Returns
 // the map's next step.

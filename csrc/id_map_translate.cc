@@ -61,13 +61,7 @@ ffi::Error IdMapTranslate1(
       StepMap(map, *step_in.typed_data(), b.send_hi.data(), b.send_lo.data(), b.send_count.data(),
               k, usable_buf.typed_data(), p, b.slot.data(), b.slot_uid.data(),
               reset_buf->typed_data(), stats_buf->typed_data());
-  // A token's slot: its key's, through the key's send slot and rank; -1 for
-  // padding, a key over key_capacity or a key given no slot.
-  int32_t* token_slot = token_slot_buf->typed_data();
-  for (int64_t i = 0; i < t; ++i) {
-    const int32_t uid = b.sent[i] >= 0 ? b.slot_uid[b.sent[i]] : -1;
-    token_slot[i] = uid >= 0 ? b.slot[uid] : -1;
-  }
+  AnswerTokens(b.sent.data(), b.slot_uid.data(), b.slot.data(), t, token_slot_buf->typed_data());
   return ffi::Error::Success();
 }
 
