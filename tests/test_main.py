@@ -89,6 +89,18 @@ def test_short_run_learns(tmp_path):
     "async_emb",
   ):
     assert key in report
+  # Every part of the run after startup is some phase's: the last flush too
+  # (its program compiles there).
+  assert list(report["phases_seconds"]) == [
+    "startup",
+    "compile",
+    "training",
+    "flush",
+    "export",
+    "evaluation",
+    "baselines",
+  ], report["phases_seconds"]
+  assert all(v >= 0 for v in report["phases_seconds"].values())
   assert report["devices"] == 8 and report["async_emb"] is True
   assert report["emb_updates_skipped"] == 0 and report["overflow_ids"] == 0
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any, NamedTuple
 
+import jax
+
 from pallas_emb.job import evaluation
 from pallas_emb.job.build import Job
 from pallas_emb.job.distributed import log
@@ -33,10 +35,19 @@ class Trained(NamedTuple):
   steps: int  # steps done (of job.steps, fewer after an early stop)
 
 
+def flush(job: Job, loop: Loop, state):
+  """`state` with its pending update applied, timed as the phase "flush":
+  its program compiles at the first call, which on CPU takes seconds (DLRM:
+  about 7 s), and otherwise would be no phase's."""
+  with loop.log.phase("flush"):
+    state, _ = job.trainer.flush(state)
+    return jax.block_until_ready(state)
+
+
 def evaluate_at(job: Job, loop: Loop, state, done: int, history: list):
   """Flushes, evaluates, records; keeps the best step's checkpoint."""
+  state = flush(job, loop, state)
   with loop.log.phase("evaluation"):
-    state, _ = job.trainer.flush(state)
     ev = evaluation.evaluate(job.trainer, state, job.feeder, FLAGS.eval_batches)
   history.append({"step": done, **ev})
   loop.log.eval(done, ev)

@@ -35,7 +35,7 @@ from pallas_emb.job import distributed, evaluation, host_memory, vocabularies
 from pallas_emb.job.build import Job, build
 from pallas_emb.job.distributed import log
 from pallas_emb.job.flags import FLAGS
-from pallas_emb.job.loop import Loop, train
+from pallas_emb.job.loop import Loop, flush, train
 from pallas_emb.job.run_log import VOCAB_COUNTS, RunLog
 from pallas_emb.train.best_eval import BestEval
 from pallas_emb.train.checkpoint import Checkpointer
@@ -130,7 +130,7 @@ def run(argv=()) -> dict:
   loop.log.add_phase("startup", time.perf_counter() - _STARTED)
   trained = _train_watched(job, loop, start, data_state)
   done = trained.steps
-  state, _ = job.trainer.flush(trained.state)  # the last gradient reaches the tables
+  state = flush(job, loop, trained.state)  # the last gradient reaches the tables
   served = None
   if FLAGS.export_dir:
     with loop.log.phase("export"):

@@ -105,7 +105,7 @@ class RunLog:
   def phases(self) -> dict[str, float]:
     """Seconds by phase: "compile" (the warm-up steps beyond what steady
     steps take), "training" (every step, less that), and what `phase`
-    timed ("startup", "evaluation", "checkpoints", "baselines")."""
+    timed ("startup", "flush", "evaluation", "checkpoints", "baselines")."""
     steady = self._warmup_steps * self.step_seconds
     compile_s = max(0.0, self._warmup - steady) if self.steps else self._warmup
     return {
