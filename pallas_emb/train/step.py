@@ -190,11 +190,20 @@ class Trainer:
     return _jit_flush(self, state)
 
   def evaluate(self, state: TrainState, batch):
-    """(loss, aux) of `batch` on the current tables, without updating."""
+    """(loss, aux) of `batch` on the current tables, without updating.
+
+    The lookups run as each table's own lookup program (`emb.lookup`), not
+    inlined into one evaluation program: `init` of the async and exact
+    pipelines compiled them for the training batch's shape, so evaluating
+    batches of that shape compiles only `loss_fn`. (One program of lookups
+    and loss compiled for 4.7 s on a v5e chip for the main job, and for
+    9.8 s on CPU for DLRM, at the end of each run.)"""
     self.emb.check_on_mesh(state, "the train state")
     batch = vocab_step.host_ids(self.emb, batch)
     batch = emb_update.int32_batch(batch, vocab_step.dynamic_features(self.emb))
-    return _jit_evaluate(self, state, batch)
+    ids = vocab_step.read(self.emb, state.vocabs, batch["ids"])
+    acts, _ = self.emb.lookup(state.tables, ids)
+    return _jit_loss(self, state.params, acts, batch)
 
 
 def make_trainer(
@@ -316,7 +325,5 @@ def _jit_flush(tr: Trainer, state: TrainState):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _jit_evaluate(tr: Trainer, state: TrainState, batch):
-  ids = vocab_step.read(tr.emb, state.vocabs, batch["ids"])
-  acts, _ = tr.emb.lookup(state.tables, ids)
-  return tr.loss_fn(state.params, acts, batch)
+def _jit_loss(tr: Trainer, params, acts, batch):
+  return tr.loss_fn(params, acts, batch)
