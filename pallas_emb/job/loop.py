@@ -37,8 +37,8 @@ class Trained(NamedTuple):
 
 def flush(job: Job, loop: Loop, state):
   """`state` with its pending update applied, timed as the phase "flush":
-  its program compiles at the first call, which on CPU takes seconds (DLRM:
-  about 7 s), and otherwise would be no phase's."""
+  its program compiles at the first call (DLRM on CPU: about 7 s), which
+  the run's phases must account for."""
   with loop.log.phase("flush"):
     state, _ = job.trainer.flush(state)
     return jax.block_until_ready(state)
