@@ -19,7 +19,6 @@
 // checksum of every output, which two builds of the map must share.
 
 #include <algorithm>
-#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -27,6 +26,7 @@
 #include <vector>
 
 #include "id_map_core.h"
+#include "profile.h"
 
 namespace pe = pallas_emb;
 
@@ -34,12 +34,6 @@ namespace {
 
 constexpr int64_t kCapacity = 16384;
 constexpr uint32_t kPad = 0xFFFFFFFFu;
-
-double NowMicros() {
-  return std::chrono::duration<double, std::micro>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 // FNV-1a over the bytes of every output.
 struct Checksum {
@@ -78,16 +72,16 @@ uint64_t Replay(const std::vector<uint32_t>& words, int64_t steps, int64_t token
       lo[i] = words[2 * (s * tokens + i) + 1];
       valid[i] = !(hi[i] == kPad && lo[i] == kPad);
     }
-    const double a = NowMicros();
+    const double a = 1e-3 * double(pe::NowNanos());
     pe::PlanKeys(hi.data(), lo.data(), reinterpret_cast<const bool*>(valid.data()), tokens, 1,
                  tokens, sent.data(), send_hi.data(), send_lo.data(), send_count.data());
-    const double b = NowMicros();
+    const double b = 1e-3 * double(pe::NowNanos());
     step = pe::StepMap(map, step, send_hi.data(), send_lo.data(), send_count.data(), tokens,
                        reinterpret_cast<const bool*>(usable.data()), policy, slot.data(),
                        slot_uid.data(), reset.data(), stats.data());
-    const double c = NowMicros();
+    const double c = 1e-3 * double(pe::NowNanos());
     pe::AnswerTokens(sent.data(), slot_uid.data(), slot.data(), tokens, token_slot.data());
-    const double d = NowMicros();
+    const double d = 1e-3 * double(pe::NowNanos());
     if (s >= steps / 2) {
       t.plan.push_back(b - a);
       t.step.push_back(c - b);
